@@ -1,0 +1,88 @@
+import math
+import random
+
+import pytest
+
+from tide_core import PlanError
+from tide_core.plan import GroupLayout, Topology
+
+
+def test_paper_quantities_on_uneven_shapes():
+    lay = GroupLayout.from_shapes([(33, 15), (7,), (3, 3, 2)], world_size=4, itemsize=2)
+    assert [lay.padded_rows(p) for p in range(3)] == [9, 2, 1]
+    assert [lay.shard_bytes(p) for p in range(3)] == [9 * 15 * 2, 2 * 1 * 2, 1 * 6 * 2]
+    assert [lay.shard_offset(p) for p in range(3)] == [0, 270, 274]
+    assert lay.total_shard_bytes == 286
+    # Eq. 2: o_p * N + r * s_p
+    assert lay.landing(1, 3) == 270 * 4 + 3 * 4
+    assert lay.valid_rows(0, 3) == 33 - 27
+    assert lay.valid_rows(1, 3) == 1 and lay.valid_rows(2, 3) == 0 and lay.valid_rows(2, 2) == 1
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_landing_tiles_the_group_buffer_exactly(seed):
+    """Property: the N*P landing ranges partition [0, N*S) with no gap or overlap, and each
+    parameter's ranges are contiguous and rank-ordered (FSDP2's unsharded layout)."""
+    rng = random.Random(seed)
+    N = rng.randint(1, 12)
+    shapes = [(rng.randint(1, 3 * N), rng.randint(1, 9)) for _ in range(rng.randint(1, 12))]
+    # include D_p < N and D_p not divisible by N
+    shapes.append((max(1, N - 1), 3))
+    lay = GroupLayout.from_shapes(shapes, world_size=N, itemsize=rng.choice([1, 2, 4]))
+    ranges = sorted((lay.landing(p, r), lay.landing(p, r) + lay.shard_bytes(p)) for p in range(lay.num_params) for r in range(N))
+    pos = 0
+    for lo, hi in ranges:
+        assert lo == pos
+        pos = hi
+    assert pos == lay.group_bytes == N * lay.total_shard_bytes
+    for p, (d, k) in enumerate(shapes):
+        assert lay.padded_rows(p) == math.ceil(d / N)
+        assert sum(lay.valid_rows(p, r) for r in range(N)) == d
+        assert lay.landing(p, 0) == lay.shard_offset(p) * N
+
+
+def test_param_at_element_matches_linear_scan():
+    lay = GroupLayout.from_shapes([(5, 2), (1,), (9, 3), (2, 2)], world_size=3)
+    for e in range(lay.total_shard_numel):
+        expected = max(p for p in range(lay.num_params) if lay.shard_elem_offset(p) <= e)
+        assert lay.param_at_element(e) == expected
+
+
+@pytest.mark.parametrize(
+    "shapes, world_size, fragment",
+    [
+        ([(0, 3)], 2, "non-positive"),
+        ([(-4,)], 2, "non-positive"),
+        ([()], 2, "scalars"),
+        ([], 2, "empty"),
+        ([(4, 4)], 0, "world_size=0"),
+        ([("a", 2)], 2, r"shapes\[0\]"),
+    ],
+)
+def test_bad_layouts_name_the_argument(shapes, world_size, fragment):
+    with pytest.raises(PlanError, match=fragment):
+        GroupLayout.from_shapes(shapes, world_size=world_size)
+
+
+def test_bad_itemsize_and_ranks():
+    with pytest.raises(ValueError, match="itemsize=3"):
+        GroupLayout.from_shapes([(4, 4)], world_size=2, itemsize=3)
+    lay = GroupLayout.from_shapes([(4, 4)], world_size=2)
+    with pytest.raises(PlanError, match="rank r=2"):
+        lay.landing(0, 2)
+    with pytest.raises(PlanError, match="p=1"):
+        lay.shard_bytes(1)
+
+
+def test_topology_node_major_ranks_and_errors():
+    topo = Topology(nodes=3, gpus_per_node=4)
+    assert topo.world_size == 12
+    assert topo.rank(2, 1) == 9 and topo.node_of(9) == 2 and topo.local_of(9) == 1
+    assert topo.rail_ranks(1) == [1, 5, 9] and topo.node_ranks(1) == [4, 5, 6, 7]
+    assert Topology.from_world_size(8, 2) == Topology(4, 2)
+    with pytest.raises(PlanError, match="gpus_per_node=3 does not divide world_size=8"):
+        Topology.from_world_size(8, 3)
+    with pytest.raises(PlanError, match="nodes=0"):
+        Topology(nodes=0, gpus_per_node=2)
+    with pytest.raises(PlanError, match="gpus_per_node=-1"):
+        Topology(nodes=1, gpus_per_node=-1)

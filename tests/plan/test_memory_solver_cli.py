@@ -1,0 +1,86 @@
+import json
+
+import pytest
+
+from tide_core import PlanError
+from tide_core.plan import Calibration, backward_live_bytes, memory_bounds, solve
+from tide_core.plan.__main__ import main
+from tide_core.plan.models import MODELS, get_model
+
+
+@pytest.mark.parametrize("M", [1, 2, 8, 64, 1024])
+@pytest.mark.parametrize("n_par", [1, 2])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_memory_bounds_are_eq_11_and_12_at_L8(M, n_par, k):
+    b = memory_bounds(nodes=M, gpus_per_node=8, generations=n_par, round_width=k, staging_slots=2)
+    assert b["in_place"] == pytest.approx(0.5 + (2 * n_par + 2) / M)
+    assert b["slot_reuse"] == pytest.approx((2 * k + 4 * n_par + 5) / (2 * M))
+
+
+def test_memory_bounds_paper_values_and_errors():
+    b = memory_bounds(nodes=64, gpus_per_node=8, generations=2, round_width=4)
+    assert round(b["in_place"], 3) == 0.594 and round(b["slot_reuse"], 3) == 0.164
+    with pytest.raises(PlanError, match="generations=3"):
+        memory_bounds(nodes=4, generations=3)
+    with pytest.raises(PlanError, match="nodes=0"):
+        memory_bounds(nodes=0)
+
+
+def test_backward_live_bytes_reproduce_section_5_4():
+    S = 1 << 20
+    kw = dict(nodes=64, gpus_per_node=8, shard_bytes=S, generations=2, round_width=4)
+    NS = 512 * S
+    stock = backward_live_bytes("stock", **kw)
+    assert stock.total == 4 * NS
+    assert backward_live_bytes("in_place", **kw).total / NS == pytest.approx(3.72, abs=0.005)
+    assert backward_live_bytes("slot_reuse", **kw).total / NS == pytest.approx(2.29, abs=0.005)
+    with pytest.raises(PlanError, match="mode='fast'"):
+        backward_live_bytes("fast", **kw)
+
+
+def test_solver_reproduces_paper_choice():
+    # 8 nodes, L = 8, a Llama-3.1-70B block's fp32 output (~53 MB): four sum CTAs and k = 4 (Section 6.3)
+    res = solve(nodes=8, gpus_per_node=8, output_bytes_fp32=53_500_000)
+    assert res.sum_ctas == 4 and res.round_width == 4 and res.num_rounds == 2
+    fast_rounds = solve(nodes=8, gpus_per_node=8, output_bytes_fp32=53_500_000,
+                        calibration=Calibration(t_round=1e-6))
+    assert fast_rounds.round_width == 2  # round overhead negligible: no widening
+    single = solve(nodes=1, gpus_per_node=2, output_bytes_fp32=1 << 26)
+    assert single.num_rounds == 0 and single.landing_ctas == 0
+    with pytest.raises(PlanError, match="grad_itemsize=3"):
+        solve(nodes=2, gpus_per_node=8, output_bytes_fp32=10, grad_itemsize=3)
+
+
+def test_named_models_match_public_parameter_counts():
+    # Published sizes: 8.03B, 70.6B, 30.5B, ~14B per Wan expert
+    assert get_model("llama3-8b").num_params == pytest.approx(8.03e9, rel=0.01)
+    assert get_model("llama3-70b").num_params == pytest.approx(70.6e9, rel=0.01)
+    assert get_model("qwen3-30b-a3b").num_params == pytest.approx(30.5e9, rel=0.01)
+    assert get_model("wan2.2-a14b").num_params == pytest.approx(14.3e9, rel=0.03)
+    with pytest.raises(PlanError, match="model='gpt5'"):
+        get_model("gpt5")
+
+
+def test_cli_prints_report_for_every_named_model(capsys):
+    for name in MODELS:
+        assert main(["--model", name, "--nodes", "2", "--gpus-per-node", "8"]) == 0
+        out = capsys.readouterr().out
+        assert "Backward live bytes" in out and "Latin square" in out
+    assert main(["--model", "llama3-70b", "--nodes", "8", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    block = next(line for line in out.splitlines() if line.startswith("block"))
+    assert block.split()[1:4] == ["80", "9", "25.50"]  # 80 blocks, 9 params, 25.50 MiB per rank
+
+
+def test_cli_shapes_file_and_bad_input(tmp_path, capsys):
+    f = tmp_path / "shapes.json"
+    f.write_text(json.dumps([[1000, 64], [7], [3, 4, 5]]))
+    assert main(["--shapes-file", str(f), "--nodes", "3", "--gpus-per-node", "2"]) == 0
+    assert "group" in capsys.readouterr().out
+    assert main(["--model", "llama3-8b", "--nodes", "0"]) == 2
+    assert "nodes=0" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["--shapes-file", str(bad)]) == 2
+    assert main(["--model", "llama3-8b", "--nodes", "9", "--gpus-per-node", "8", "--wave-width", "3"]) == 0
+    assert "INVALID" in capsys.readouterr().out

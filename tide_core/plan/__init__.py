@@ -1,0 +1,63 @@
+"""Pure planning math for TIDE: layouts, schedules, Latin squares, memory, sizing, simulation.
+
+Imports neither torch.distributed nor CUDA; it is the single source of truth for offsets,
+descriptor lists, waves and memory bounds.
+"""
+
+from tide_core.errors import PlanError
+from tide_core.plan.allgather import (
+    AllGatherPlan,
+    LocalPush,
+    RailTransfer,
+    StageCopy,
+    allgather_plan,
+    allgather_schedule,
+    num_rounds,
+)
+from tide_core.plan.layout import GroupLayout
+from tide_core.plan.memory import backward_live_bytes, memory_bounds, single_node_staging_bytes
+from tide_core.plan.reducescatter import (
+    Chunk,
+    LatinSquarePlan,
+    Level1Copy,
+    Segment,
+    chunk_segments,
+    contributor_index,
+    inbox_gpu,
+    latin_square_plan,
+    level1_copies,
+    level1_order,
+    level1_owner,
+)
+from tide_core.plan.solver import Calibration, SolverResult, solve
+from tide_core.plan.topology import Topology
+
+__all__ = [
+    "PlanError",
+    "GroupLayout",
+    "Topology",
+    "RailTransfer",
+    "LocalPush",
+    "StageCopy",
+    "AllGatherPlan",
+    "allgather_schedule",
+    "allgather_plan",
+    "num_rounds",
+    "LatinSquarePlan",
+    "latin_square_plan",
+    "contributor_index",
+    "inbox_gpu",
+    "level1_owner",
+    "level1_order",
+    "level1_copies",
+    "chunk_segments",
+    "Chunk",
+    "Segment",
+    "Level1Copy",
+    "memory_bounds",
+    "backward_live_bytes",
+    "single_node_staging_bytes",
+    "Calibration",
+    "SolverResult",
+    "solve",
+]

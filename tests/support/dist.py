@@ -1,0 +1,115 @@
+"""Run a function on N gloo (or NCCL) processes: free port, per-test timeout, failing rank's traceback.
+
+    results = run_distributed(fn, world_size=4, args=(...), timeout=120)
+
+``fn(rank, world_size, *args)`` must be a module-level function (it is pickled). Workers start
+from a forkserver that has torch preloaded, so a 2-process run costs about a second.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue as queue_module
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+_CTX = None
+
+
+def _context():
+    global _CTX
+    if _CTX is None:
+        _CTX = mp.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy", "tide_core.plan"])
+    return _CTX
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class DistributedTestError(AssertionError):
+    pass
+
+
+def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
+    os.environ.update(env)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
+                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException:  # report everything, including assertion failures, to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 120, backend: str = "gloo",
+                    env: dict | None = None, init_process_group: bool = True) -> list:
+    ctx = _context()
+    port = free_port()
+    results = ctx.Queue()
+    env = dict(env or {})
+    procs = [
+        ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, env, timeout), daemon=True)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    outcome: dict[int, tuple[bool, object]] = {}
+    first_failure_at = None
+    try:
+        while len(outcome) < world_size:
+            remaining = deadline - time.monotonic()
+            if first_failure_at is not None:
+                # Give the other ranks a moment to report (they often fail in turn), then stop.
+                remaining = min(remaining, first_failure_at + 5 - time.monotonic())
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 1.0))
+            except queue_module.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+                continue
+            outcome[rank] = (ok, value)
+            if not ok and first_failure_at is None:
+                first_failure_at = time.monotonic()
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if len(outcome) == world_size else 0)
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=5)
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # insertion order = arrival order
+    if failures:
+        rank = next(iter(failures))  # the first to fail is the cause; the others usually follow it
+        others = ", ".join(str(r) for r in failures if r != rank)
+        raise DistributedTestError(
+            f"rank {rank} failed" + (f" (ranks {others} failed too)" if others else "") + f":\n{failures[rank]}"
+        )
+    missing = [r for r in range(world_size) if r not in outcome]
+    if missing:
+        codes = {r: procs[r].exitcode for r in missing}
+        raise DistributedTestError(f"ranks {missing} did not finish within {timeout:.0f} s (exit codes {codes})")
+    return [outcome[r][1] for r in range(world_size)]

@@ -53,21 +53,19 @@ def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) 
             f"topology={topology.nodes}x{topology.gpus_per_node} has {topology.world_size} ranks but the "
             f"process group has {size}"
         )
-    key = (id(group), topology)
+    key = (group.group_name, topology)  # names are never reused, unlike id() of a freed group
     if key in _CACHE:
         return _CACHE[key]
     ranks = dist.get_process_group_ranks(group)
-    node_groups = [dist.new_group([ranks[r] for r in topology.node_ranks(n)]) for n in range(topology.nodes)]
-    rail_groups = [dist.new_group([ranks[r] for r in topology.rail_ranks(l)]) for l in range(topology.gpus_per_node)]
     me = dist.get_rank(group)
-    groups = TopologyGroups(
-        topology=topology,
-        group=group,
-        rank=me,
-        global_ranks=ranks,
-        node_group=node_groups[topology.node_of(me)],
-        rail_group=rail_groups[topology.local_of(me)],
-    )
+    # Only the members of a sub-group create it (local synchronization): ranks of other shard
+    # groups (HSDP replicas) build their own sub-groups independently.
+    node_group = dist.new_group([ranks[r] for r in topology.node_ranks(topology.node_of(me))],
+                                use_local_synchronization=True)
+    rail_group = dist.new_group([ranks[r] for r in topology.rail_ranks(topology.local_of(me))],
+                                use_local_synchronization=True)
+    groups = TopologyGroups(topology=topology, group=group, rank=me, global_ranks=ranks,
+                            node_group=node_group, rail_group=rail_group)
     _CACHE[key] = groups
     return groups
 

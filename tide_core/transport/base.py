@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from tide_core.plan import GroupLayout, Topology
+from tide_core.runtime.arena import Arena
 
 GRAD_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -104,14 +105,37 @@ def call_description(kind: str, topology: Topology, layout: GroupLayout, dtype: 
     }
 
 
+_DEFAULT_DTYPE = {1: torch.uint8, 2: torch.bfloat16, 4: torch.float32, 8: torch.float64}
+
+
 class Transport(abc.ABC):
     """Protocol both transports implement (see the module docstring)."""
 
     name: str = "abstract"
     topology: Topology
+    arena: Arena
 
     @abc.abstractmethod
     def all_gather(self, layout: GroupLayout, shards, outputs): ...
 
     @abc.abstractmethod
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False): ...
+
+    def landing_buffers(self, layout: GroupLayout, slot: int | str = 0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+        """Per-parameter (N*R_p, K_p) tensors in the arena segment ``slot``, laid out parameter-major
+        (parameter p at byte o_p*N): exactly where TIDE-AG lands shards."""
+        dtype = dtype or _DEFAULT_DTYPE[layout.itemsize]
+        if dtype.itemsize != layout.itemsize:
+            raise ValueError(f"dtype={dtype} does not match layout.itemsize={layout.itemsize}")
+        name = f"slot{slot}" if isinstance(slot, int) else str(slot)
+        seg = self.arena.segment(name, layout.group_bytes)
+        N = layout.world_size
+        return [
+            seg.tensor(layout.shard_offset(p) * N, layout.unsharded_numel(p), dtype).view(N * layout.padded_rows(p), layout.cols[p])
+            for p in range(layout.num_params)
+        ]
+
+    @property
+    def staging_bytes(self) -> int:
+        """Transport-owned staging memory (reduce-scatter chunks, flags)."""
+        return 0

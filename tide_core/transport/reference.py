@@ -19,6 +19,7 @@ import torch.distributed as dist
 from tide_core.errors import RankMismatchError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, latin_square_plan, level1_order
 from tide_core.plan.allgather import StageCopy
+from tide_core.runtime.arena import Arena, plain_allocator
 from tide_core.runtime.groups import check_agreement, exchange, topology_groups
 from tide_core.transport.base import (
     CompletedWork,
@@ -40,6 +41,7 @@ class ReferenceTransport(Transport):
         wave_width: int | None = None,
         round_width: int = 2,
         validate: bool = True,
+        device: torch.device | str | None = None,
     ):
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
@@ -50,6 +52,10 @@ class ReferenceTransport(Transport):
         # turns a rank that passes different shapes into a named error instead of a hang.
         self.validate = validate
         self._ag_plans: dict = {}
+        if device is None:
+            on_gpu = "nccl" in str(dist.get_backend(self.groups.group)) and torch.cuda.is_available()
+            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+        self.arena = Arena(plain_allocator(torch.device(device)))
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_layout(self, layout: GroupLayout) -> None:

@@ -1,0 +1,110 @@
+"""TIDE's knobs: one dataclass, each field overridable by a ``TIDE_<FIELD>`` environment variable.
+
+Precedence: explicit arguments > ``TIDEConfig`` passed in > environment > defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+MODES = ("in_place", "slot_reuse")
+TRANSPORTS = ("auto", "reference", "cuda")
+
+
+@dataclass
+class TIDEConfig:
+    #: "in_place": the reduce-scatter reads gradients where autograd left them;
+    #: "slot_reuse": gradients are copied into the vacated all-gather slot and freed at once.
+    mode: str = "in_place"
+    #: "auto" picks "cuda" for CUDA models when tide_core._C is built and the group fits one
+    #: node, else "reference" (torch.distributed; gloo on CPU, NCCL on GPUs).
+    transport: str = "auto"
+    #: GPUs per node (L). None: detected from host names. Set it to emulate M x L on one host.
+    gpus_per_node: int | None = None
+    #: Groups with more parameters fall back to stock collectives (paper: 256).
+    max_params: int = 256
+    #: Seconds any cross-GPU wait may take before PeerStallTimeout is raised.
+    timeout_s: float = 300.0
+    #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
+    sum_ctas: int = 16
+    #: Reduce-scatter staging chunk in MiB and chunk slots per source peer (bounded staging).
+    chunk_mib: float = 8.0
+    chunk_slots: int = 4
+    #: Latin-square wave width W (None: L) and rail round width k (multi-node).
+    wave_width: int | None = None
+    round_width: int = 2
+    #: Use the 2-slot all-gather ring for leaf groups (False: every group gets its own landing).
+    ring: bool = True
+    #: Reference transport: compare a digest of every call's shapes across ranks (one small all-gather).
+    validate_calls: bool = True
+    #: Record per-call CUDA event timings of TIDE collectives (for metrics callbacks).
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> "TIDEConfig":
+        if self.mode not in MODES:
+            raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
+        positive = {"max_params": self.max_params, "sum_ctas": self.sum_ctas, "chunk_slots": self.chunk_slots,
+                    "round_width": self.round_width}
+        for name, value in positive.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
+            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
+        if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):
+            raise ValueError(f"wave_width={self.wave_width!r} must be an integer >= 1 or None")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if not self.chunk_mib > 0:
+            raise ValueError(f"chunk_mib={self.chunk_mib!r} must be > 0")
+        return self
+
+    @property
+    def chunk_bytes(self) -> int:
+        return int(self.chunk_mib * (1 << 20))
+
+    @classmethod
+    def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":
+        """``base`` (or defaults), then ``TIDE_*`` variables, then ``overrides`` that are not None."""
+        environ = os.environ if environ is None else environ
+        values = dataclasses.asdict(base) if base is not None else {}
+        for f in fields(cls):
+            key = f"TIDE_{f.name.upper()}"
+            if key in environ and (base is None or getattr(base, f.name) == f.default):
+                values[f.name] = _parse(f, environ[key], key)
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown TIDE option(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+        return cls(**values)
+
+    def describe(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _parse(field: dataclasses.Field, raw: str, key: str):
+    kind = str(field.type)
+    text = raw.strip()
+    try:
+        if "bool" in kind:
+            if text.lower() in ("1", "true", "yes", "on"):
+                return True
+            if text.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(text)
+        if "None" in kind and text.lower() in ("", "none", "auto"):
+            return None
+        if "int" in kind:
+            return int(text)
+        if "float" in kind:
+            return float(text)
+        return text
+    except ValueError:
+        raise ValueError(f"environment variable {key}={raw!r} cannot be parsed as {kind}") from None

@@ -1,0 +1,321 @@
+"""One FSDP2 parameter group served by TIDE: direct landing and per-parameter reduce-scatter.
+
+All-gather: shards land in an arena slot at Landing(p, r); ``FSDPParam.all_gather_outputs[0]``
+*is* that landing (a zero-offset storage rooted at the slot address), so FSDP2's
+``init_unsharded_param`` builds the unsharded parameter over it and neither the rank-major buffer
+nor ``split_with_sizes_copy`` exists. Freeing after reshard is logical (the slot is released for
+the next group), never a ``resize_``.
+
+Reduce-scatter: the gradients autograd produced go straight to the transport, which writes the
+fp32 packed shard FSDP2 expects (no ``_chunk_cat``, no full-group fp32 buffer); FSDP2's divide
+factors become alpha; an existing packed sharded gradient is accumulated into in place.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from tide_core.errors import TIDEError
+from tide_core.fsdp import compat
+from tide_core.plan import GroupLayout
+from tide_core.runtime.arena import Segment
+
+log = logging.getLogger("tide")
+
+
+class SlotConflictError(TIDEError, RuntimeError):
+    """Two groups that are live at the same time were placed in one ring slot."""
+
+
+@dataclass
+class SlotRing:
+    """Two landing slots shared by leaf groups in execution order (Appendix F: group g uses g mod 2)."""
+
+    transport: object
+    slot_bytes: int
+    segments: list[Segment | None] = field(default_factory=lambda: [None, None])
+    occupant: list[object | None] = field(default_factory=lambda: [None, None])
+    release_event: list[object | None] = field(default_factory=lambda: [None, None])
+    next_index: int = 0
+
+    def segment(self, q: int) -> Segment:
+        if self.segments[q] is None:
+            self.segments[q] = self.transport.arena.segment(f"ring{q}", self.slot_bytes)
+        return self.segments[q]
+
+
+class _ReadHold:
+    """What FSDP2 keeps as the reduce-scatter "input" until the compute stream waited for the
+    reduce-scatter: here, the per-parameter gradients (or slot views) the transport reads."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+
+class TideGroup:
+    def __init__(self, handle, index: int, name: str, param_group, transport, ring: SlotRing | None, internals):
+        self.handle = handle
+        self.index = index
+        self.name = name
+        self.pg = param_group
+        self.fsdp_params = list(param_group.fsdp_params)
+        self.transport = transport
+        self.ring = ring
+        self.internals = internals
+        self.device = param_group.device
+        self.world_size = transport.topology.world_size
+        self.ag_dtype = compat.all_gather_dtype(param_group)
+        shapes = [tuple(fp._orig_size) for fp in self.fsdp_params]
+        self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=self.ag_dtype.itemsize)
+        self.landings: list[torch.Tensor] | None = None
+        self.segment: Segment | None = None
+        self.slot: int | None = None  # ring slot index, or None for a dedicated segment
+        self.live = False
+        self.stats = {"all_gathers": 0, "reduce_scatters": 0, "ag_bytes": 0, "rs_bytes": 0, "slot_sources": 0}
+        self._device_handle = getattr(torch, self.device.type)
+
+    # -- placement -------------------------------------------------------------------------
+    @property
+    def placement(self) -> str:
+        if self.landings is None:
+            return "unbound (no all-gather yet)"
+        return f"ring slot {self.slot}" if self.slot is not None else "dedicated landing"
+
+    def _bind(self) -> None:
+        """Choose the landing at the group's first all-gather (execution order) and root FSDP2's
+        all-gather outputs there. Only done while sharded, before any unsharded parameter exists
+        over the new storage."""
+        if self.ring is not None:
+            order = [self.ring.next_index, 1 - self.ring.next_index]
+            free = [q for q in order if self.ring.occupant[q] is None]
+            if free:
+                self.slot = free[0]
+                self.ring.next_index = 1 - self.slot
+                self.segment = self.ring.segment(self.slot)
+            else:
+                log.info("TIDE: group %s is live with both ring slots in use; giving it a dedicated landing", self.name)
+        if self.segment is None:
+            self.segment = self.transport.arena.segment(f"group{self.index}", self.layout.group_bytes)
+        N = self.world_size
+        self.landings = [
+            self.segment.tensor(self.layout.shard_offset(p) * N, self.layout.unsharded_numel(p), self.ag_dtype)
+            for p in range(self.layout.num_params)
+        ]
+        for fp, landing in zip(self.fsdp_params, self.landings):
+            if hasattr(fp, "_unsharded_param"):
+                # Installed after stock steps ran: drop the parameter built over FSDP2's own
+                # storage so init_unsharded_param rebuilds it over the landing.
+                del fp._unsharded_param
+            fp.all_gather_outputs = [landing]
+            fp.alloc_all_gather_outputs = _noop
+            fp.free_unsharded_param = self._released
+
+    def _released(self) -> None:
+        """FSDPParam.free_unsharded_param for served parameters: a logical free of the slot."""
+        if not self.live:
+            return
+        self.live = False
+        if self.slot is not None:
+            self.ring.occupant[self.slot] = None
+            self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
+
+    def unbind(self) -> None:
+        """Give FSDP2 its own storage back (uninstall). Only between steps."""
+        if self.live:
+            raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
+        for fp in self.fsdp_params:
+            for attr in ("alloc_all_gather_outputs", "free_unsharded_param", "_tide_group"):
+                fp.__dict__.pop(attr, None)
+            if self.landings is not None:
+                fp.all_gather_outputs = []
+                if hasattr(fp, "_unsharded_param"):
+                    del fp._unsharded_param
+        self.landings = None
+
+    # -- all-gather ------------------------------------------------------------------------
+    def all_gather(self, async_op, copy_in_stream, ag_stream):
+        C = self.internals.collectives_module
+        if self.landings is None:
+            self._bind()
+        if self.slot is not None:
+            holder = self.ring.occupant[self.slot]
+            if holder is not None and holder is not self:
+                raise SlotConflictError(
+                    f"TIDE ring slot {self.slot} is still held by group {holder.name} while group {self.name} "
+                    "all-gathers; this happens with explicit prefetch deeper than one group. Set TIDE_RING=0 "
+                    "(every group gets its own landing) or reduce the prefetch depth."
+                )
+            self.ring.occupant[self.slot] = self
+        self.live = True
+        dh = self._device_handle
+        with dh.stream(copy_in_stream):
+            inputs = C._get_param_all_gather_inputs(self.fsdp_params)  # FSDP2's fused cast under MP
+            shards = [ts[0] for ts in inputs]
+        if shards[0].dtype != self.ag_dtype:
+            raise TIDEError(f"group {self.name}: FSDP2 all-gathers {shards[0].dtype} but TIDE planned {self.ag_dtype}")
+        ag_stream.wait_stream(copy_in_stream)
+        outputs = [t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p])
+                   for p, t in enumerate(self.landings)]
+        with dh.stream(ag_stream):
+            if self.slot is not None and self.ring.release_event[self.slot] is not None:
+                ag_stream.wait_event(self.ring.release_event[self.slot])
+            # The transport writes into storages autograd may have saved; FSDP2 preserves the
+            # version counter around its own copy-out for the same reason.
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
+                work = self.transport.all_gather(self.layout, shards, outputs)
+                if work is not None:
+                    work.wait()
+            event = ag_stream.record_event()
+        self.stats["all_gathers"] += 1
+        self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
+        marker = torch.empty(0, dtype=self.ag_dtype, device=self.device)
+        marker._tide_inputs = shards  # kept alive (stream-safely) by FSDP2 like its own flat buffer
+        numels = [[s.numel()] for s in shards]
+        return C.AllGatherResult(marker, event, None, [[self.ag_dtype]] * len(shards), numels,
+                                 [s.numel() for s in shards])
+
+    @staticmethod
+    def copy_out(all_gather_result) -> None:
+        """Nothing to copy: the shards already sit in the parameters' storage."""
+        event, work = all_gather_result.all_gather_event, all_gather_result.all_gather_work
+        output = all_gather_result.all_gather_output
+        if event is not None:
+            getattr(torch, output.device.type).current_stream().wait_event(event)
+        if isinstance(work, dist.distributed_c10d.Work):
+            work.wait()
+
+    # -- reduce-scatter --------------------------------------------------------------------
+    def divide(self, rs_group, ar_group, reduce_dtype, divide_factor, force_sum):
+        """(alpha, all-reduce op): FSDP2's pre/post divide, AVG and PREMUL_SUM folded into alpha."""
+        C = self.internals.collectives_module
+        pre, post, rs_op, ar_op = C._get_gradient_divide_factors(
+            rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
+        )
+        if pre is not None or post is not None:
+            return 1.0 / ((pre or 1) * (post or 1)), ar_op
+        if isinstance(rs_op, dist.ReduceOp.RedOpType):
+            if rs_op == dist.ReduceOp.AVG:
+                return 1.0 / rs_group.size(), ar_op
+            if rs_op == dist.ReduceOp.SUM:
+                return 1.0, ar_op
+            raise TIDEError(f"unexpected reduce-scatter op {rs_op}")
+        return 1.0 / float(divide_factor), ar_op  # PREMUL_SUM(1 / factor)
+
+    def _fused_output(self, fsdp_params, layout: GroupLayout, orig_dtype):
+        """The packed fp32 buffer all existing sharded grads are views of, in layout order, or None."""
+        if orig_dtype not in (None, torch.float32):
+            return None
+        base = None
+        for p, fp in enumerate(fsdp_params):
+            grad = fp.sharded_param.grad
+            if grad is None or fp.offload_to_cpu:
+                return None
+            local = getattr(grad, "_local_tensor", None)
+            b = getattr(local, "_base", None)
+            if b is None or (base is not None and b is not base):
+                return None
+            if local.storage_offset() != layout.shard_elem_offset(p) + b.storage_offset():
+                return None
+            base = b
+        if base is None or base.dtype != torch.float32 or base.dim() != 1 or base.numel() != layout.total_shard_numel:
+            return None
+        return base
+
+    def reduce(self, fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, reduce_dtype, device,
+               divide_factor, ar_group, ar_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
+               force_sum):
+        dh = self._device_handle
+        grads = list(unsharded_grads)
+        unsharded_grads.clear()
+        reduce_dtype = reduce_dtype or grads[0].dtype
+        if len(fsdp_params) == len(self.fsdp_params):
+            layout = self.layout
+        else:  # parameters without gradients this step are skipped, as FSDP2 does
+            layout = GroupLayout.from_shapes([tuple(fp._orig_size) for fp in fsdp_params], world_size=self.world_size)
+        alpha, ar_op = self.divide(rs_group, ar_group, reduce_dtype, divide_factor, force_sum)
+        current = dh.current_stream()
+
+        sources = grads
+        slot_source = (
+            self.handle.config.mode == "slot_reuse"
+            and self.landings is not None
+            and layout is self.layout
+            and grads[0].dtype == self.ag_dtype
+        )
+        if slot_source:
+            # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
+            # drop autograd's storage at once (stream-ordered: later compute-stream allocations
+            # run after the copy); the slot's next all-gather waits for the read.
+            sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
+            torch._foreach_copy_(sources, grads)
+            grads = None
+            self.stats["slot_sources"] += 1
+        fused = self._fused_output(fsdp_params, layout, orig_dtype)
+        rs_stream.wait_stream(current)
+        with dh.stream(rs_stream):
+            out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
+            work = self.transport.reduce_scatter(layout, sources, out, alpha=alpha, accumulate=fused is not None)
+            if work is not None:
+                work.wait()
+            rs_event = rs_stream.record_event()
+        if slot_source and self.slot is not None:
+            self.ring.release_event[self.slot] = rs_event
+        self.stats["reduce_scatters"] += 1
+        self.stats["rs_bytes"] += layout.total_shard_numel * sources[0].element_size() * (self.world_size - 1)
+
+        post_stream = rs_stream
+        all_reduce_input = all_reduce_event = None
+        reduce_output = out
+        if ar_group is not None:  # HSDP: the shard-group output goes to FSDP2's replica all-reduce
+            with dh.stream(rs_stream):
+                if not all_reduce_grads:
+                    if partial_reduce_output is not None:
+                        partial_reduce_output += reduce_output
+                    else:
+                        partial_reduce_output = reduce_output
+                    return self._result(_ReadHold(sources), rs_event, post_stream, post_stream.record_event(),
+                                        None, None, partial_reduce_output)
+                if partial_reduce_output is not None:
+                    reduce_output += partial_reduce_output
+            post_stream = ar_stream
+            ar_stream.wait_stream(rs_stream)
+            with dh.stream(ar_stream):
+                dist.all_reduce(reduce_output, group=ar_group, op=ar_op)
+                all_reduce_input = reduce_output
+                all_reduce_event = ar_stream.record_event()
+        if all_reduce_hook is not None:
+            post_stream = ar_stream
+            ar_stream.wait_stream(rs_stream)
+            with dh.stream(ar_stream):
+                all_reduce_hook(reduce_output)
+
+        with dh.stream(post_stream):
+            if fused is None:
+                if orig_dtype is not None and reduce_output.dtype != orig_dtype:
+                    reduce_output = reduce_output.to(orig_dtype)
+                for p, fp in enumerate(fsdp_params):
+                    new_grad = torch.as_strided(reduce_output, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
+                                                storage_offset=layout.shard_elem_offset(p))
+                    if fp.sharded_param.grad is not None:
+                        fp.sharded_param.grad._local_tensor += new_grad
+                    else:
+                        fp.sharded_param.grad = fp.to_sharded_dtensor(new_grad)
+            for fp in fsdp_params:
+                for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
+                    hook(fp.sharded_param)
+            post_reduce_event = post_stream.record_event()
+        return self._result(_ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input,
+                            all_reduce_event, None)
+
+    def _result(self, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial):
+        if self.internals.reduce_returns_stream:
+            return hold, rs_event, post_stream, post_event, ar_input, ar_event, partial
+        return hold, rs_event, post_event, ar_input, ar_event, partial
+
+
+def _noop() -> None:
+    """FSDPParam.alloc_all_gather_outputs for served parameters: the landing is always there."""

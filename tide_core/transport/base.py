@@ -47,10 +47,13 @@ def _check_tensor_list(name: str, tensors: Sequence[torch.Tensor], count: int) -
             raise ValueError(f"{name}[{p}] is not contiguous")
 
 
-def validate_all_gather(layout: GroupLayout, shards, outputs) -> None:
+def validate_all_gather(layout: GroupLayout, shards, outputs, device: torch.device | None = None) -> None:
     _check_tensor_list("shards", shards, layout.num_params)
     _check_tensor_list("outputs", outputs, layout.num_params)
-    dtype, device = shards[0].dtype, shards[0].device
+    dtype = shards[0].dtype
+    if device is not None and shards[0].device != device:
+        raise ValueError(f"shards[0] is on {shards[0].device}; this transport runs on {device}")
+    device = shards[0].device
     if dtype.itemsize != layout.itemsize:
         raise ValueError(f"shards[0].dtype={dtype} has itemsize {dtype.itemsize} but layout.itemsize={layout.itemsize}")
     N = layout.world_size
@@ -67,8 +70,10 @@ def validate_all_gather(layout: GroupLayout, shards, outputs) -> None:
                 raise ValueError(f"{name}[{p}] is on {t.device}, shards[0] on {device}")
 
 
-def validate_reduce_scatter(layout: GroupLayout, grads, out, alpha, accumulate) -> None:
+def validate_reduce_scatter(layout: GroupLayout, grads, out, alpha, accumulate, device: torch.device | None = None) -> None:
     _check_tensor_list("grads", grads, layout.num_params)
+    if device is not None and isinstance(out, torch.Tensor) and out.device != device:
+        raise ValueError(f"out is on {out.device}; this transport runs on {device}")
     dtype = grads[0].dtype
     if dtype not in GRAD_DTYPES:
         raise ValueError(f"grads[0].dtype={dtype} is not one of {GRAD_DTYPES}")

@@ -1,0 +1,17 @@
+// Copy-engine data movement: batched 1-D copies and strided 2-D copies (no SM kernels).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace tide {
+
+// One stream-ordered batch of independent copies; copies inside a batch are unordered.
+void memcpy_batch(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
+                  const std::vector<uint64_t>& sizes, uint64_t stream, bool prefer_overlap);
+
+// `height` rows of `width` bytes, source pitch `spitch`, destination pitch `dpitch`.
+void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uint64_t width,
+               uint64_t height, uint64_t stream);
+
+}  // namespace tide

@@ -1,0 +1,150 @@
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "common.h"
+#include "sum_kernel.h"
+
+namespace tide {
+namespace {
+
+struct SumArgs {
+  float* out;
+  const void* staged[kMaxSources];
+  int n_staged;
+  int n_segments;
+  int64_t first;  // first element (chunk-relative, multiple of 8) this launch covers
+  int64_t count;  // elements this launch covers
+  SumSegment segments[kMaxSegments];
+  float alpha;
+  int accumulate;
+};
+
+template <typename T>
+__device__ __forceinline__ float to_f32(T v);
+template <>
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <>
+__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+template <>
+__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+
+// Eight consecutive elements as fp32, with 16-byte loads.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = to_f32<T>(e[i]);
+  } else {
+    float4 a = *reinterpret_cast<const float4*>(p);
+    float4 b = *reinterpret_cast<const float4*>(p + 4);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+  }
+}
+
+__device__ __forceinline__ int find_segment(const SumArgs& a, int64_t i) {
+  int lo = 0, hi = a.n_segments - 1;
+  while (lo < hi) {
+    int mid = (lo + hi + 1) >> 1;
+    if (a.segments[mid].offset <= i) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ float finish(const SumArgs& a, float acc, float previous) {
+  // Two separately rounded operations, never a fused multiply-add: the reference transport does
+  // t = alpha * T, then out + t.
+  float t = __fmul_rn(a.alpha, acc);
+  return a.accumulate ? __fadd_rn(previous, t) : t;
+}
+
+template <typename T>
+__device__ float element_sum(const SumArgs& a, const SumSegment& seg, int64_t i) {
+  int64_t local = i - seg.offset;
+  if (local >= seg.valid) return 0.0f;
+  const T* own = reinterpret_cast<const T*>(seg.own);
+  if (a.n_staged == 0) return to_f32<T>(own[local]);
+  float acc = to_f32<T>(reinterpret_cast<const T*>(a.staged[0])[i]);
+  for (int s = 1; s < a.n_staged; ++s) acc = __fadd_rn(acc, to_f32<T>(reinterpret_cast<const T*>(a.staged[s])[i]));
+  return __fadd_rn(acc, to_f32<T>(own[local]));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(256) sum_kernel(const __grid_constant__ SumArgs a) {
+  const int64_t units = (a.count + 7) / 8;
+  for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < units; u += (int64_t)gridDim.x * blockDim.x) {
+    const int64_t i0 = a.first + 8 * u;
+    const int64_t end = a.first + a.count;
+    const SumSegment& seg = a.segments[find_segment(a, i0)];
+    const int64_t local = i0 - seg.offset;
+    const T* own = reinterpret_cast<const T*>(seg.own) + local;
+    const bool whole = i0 + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own) & 15) == 0;
+    if (whole) {
+      float acc[8], v[8];
+      if (a.n_staged == 0) {
+        load8<T>(own, acc);
+      } else {
+        load8<T>(reinterpret_cast<const T*>(a.staged[0]) + i0, acc);
+        for (int s = 1; s < a.n_staged; ++s) {
+          load8<T>(reinterpret_cast<const T*>(a.staged[s]) + i0, v);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+        }
+        load8<T>(own, v);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+      }
+      float4* out = reinterpret_cast<float4*>(a.out + i0);
+      float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
+      if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
+      out[0] = make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z), finish(a, acc[3], p0.w));
+      out[1] = make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z), finish(a, acc[7], p1.w));
+    } else {
+      for (int64_t i = i0; i < i0 + 8 && i < end; ++i) {
+        const SumSegment& s = a.segments[find_segment(a, i)];
+        a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void launch_sum(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
+                int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
+                uint64_t stream) {
+  TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
+  TIDE_CHECK(!segments.empty() && segments.size() <= static_cast<size_t>(kMaxSegments),
+             "launch_sum: segment count must be in [1, " + std::to_string(kMaxSegments) + "]");
+  TIDE_CHECK(first % 8 == 0, "launch_sum: first element must be a multiple of 8");
+  TIDE_CHECK((out & 15) == 0, "launch_sum: out must be 16-byte aligned");
+  if (count <= 0) return;
+  SumArgs a = {};
+  a.out = reinterpret_cast<float*>(out);
+  for (size_t s = 0; s < staged.size(); ++s) {
+    TIDE_CHECK((staged[s] & 15) == 0, "launch_sum: staged chunks must be 16-byte aligned");
+    a.staged[s] = as_ptr(staged[s]);
+  }
+  a.n_staged = static_cast<int>(staged.size());
+  a.n_segments = static_cast<int>(segments.size());
+  for (size_t s = 0; s < segments.size(); ++s) a.segments[s] = segments[s];
+  a.first = first;
+  a.count = count;
+  a.alpha = alpha;
+  a.accumulate = accumulate ? 1 : 0;
+  const int64_t units = (count + 7) / 8;
+  const int threads = 256;
+  int blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), (units + threads - 1) / threads));
+  cudaStream_t s = as_stream(stream);
+  switch (dtype) {
+    case 0: sum_kernel<__nv_bfloat16><<<blocks, threads, 0, s>>>(a); break;
+    case 1: sum_kernel<__half><<<blocks, threads, 0, s>>>(a); break;
+    case 2: sum_kernel<float><<<blocks, threads, 0, s>>>(a); break;
+    default: fail("launch_sum: dtype must be 0 (bf16), 1 (fp16) or 2 (fp32)", __FILE__, __LINE__);
+  }
+  TIDE_CUDA_CHECK(cudaGetLastError());
+}
+
+}  // namespace tide

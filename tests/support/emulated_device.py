@@ -1,0 +1,219 @@
+"""An emulated GPU for CPU tests of the CUDA transport's protocol.
+
+Each emulated stream is a worker thread executing its queue in order; events are set when their
+stream reaches them; copies are memmoves; stream memory operations read and write 32-bit words
+(waits spin, as the GPU's front end does); the sum "kernel" is NumPy with the kernel's exact
+fp32 association. Symmetric memory is POSIX shared memory mapped by every rank process, so peer
+pointers are real addresses, as CUDA IPC gives. This checks the transport's descriptors, flags,
+epochs, credits and chunk rings without a GPU; it does not check CUDA itself.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import queue
+import threading
+import time
+from multiprocessing import shared_memory
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+_WORD = ctypes.c_uint32
+
+
+class EmuEvent:
+    def __init__(self):
+        self._done = threading.Event()
+
+    def set(self):
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, stop: threading.Event):
+        while not self._done.wait(0.001):
+            if stop.is_set():
+                return
+
+
+class EmuStream:
+    def __init__(self, device: "EmulatedDevice", name: str):
+        self.device = device
+        self.q: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name=f"emu-{name}", daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            op = self.q.get()
+            if op is None:
+                return
+            try:
+                op()
+            except Exception as exc:  # surface device faults in the test
+                self.device.errors.append(exc)
+            finally:
+                self.q.task_done()
+
+    def submit(self, fn):
+        self.q.put(fn)
+
+
+class HostStream:
+    """The caller's "current stream": runs operations inline (the test thread blocks)."""
+
+    def __init__(self, device):
+        self.device = device
+
+    def submit(self, fn):
+        fn()
+
+
+class EmulatedDevice:
+    device = torch.device("cpu")
+    max_segments = 5  # small, so chunk launches really get split in tests
+    max_sources = 16
+
+    def __init__(self, sum_delay_s: float = 0.0):
+        self.streams: list[EmuStream] = []
+        self.host = HostStream(self)
+        self.stop = threading.Event()
+        self.errors: list[Exception] = []
+        self.sum_delay_s = sum_delay_s
+        self.copies = 0
+        self.kernels = 0
+
+    def stream(self, priority: int = 0) -> EmuStream:
+        s = EmuStream(self, f"s{len(self.streams)}")
+        self.streams.append(s)
+        return s
+
+    def current_stream(self):
+        return self.host
+
+    def record(self, stream) -> EmuEvent:
+        ev = EmuEvent()
+        stream.submit(ev.set)
+        return ev
+
+    def wait_event(self, stream, event: EmuEvent):
+        stream.submit(lambda: event.wait(self.stop))
+
+    def query(self, event: EmuEvent) -> bool:
+        return event.query()
+
+    def synchronize(self):
+        for s in self.streams:
+            s.q.join()
+
+    def copy_batch(self, stream, dsts, srcs, sizes):
+        dsts, srcs, sizes = list(dsts), list(srcs), list(sizes)
+
+        def run():
+            for d, s, n in zip(dsts, srcs, sizes):
+                ctypes.memmove(d, s, n)
+            self.copies += len(dsts)
+
+        stream.submit(run)
+
+    def write_flags(self, stream, addresses, value):
+        addresses, value = list(addresses), value & 0xFFFFFFFF
+
+        def run():
+            for a in addresses:
+                _WORD.from_address(a).value = value
+
+        stream.submit(run)
+
+    def wait_flags(self, stream, addresses, value):
+        addresses, value = list(addresses), value & 0xFFFFFFFF
+
+        def ready(a):
+            return ((_WORD.from_address(a).value - value) & 0xFFFFFFFF) < 0x80000000  # cyclic >=
+
+        def run():
+            while not all(ready(a) for a in addresses):
+                if self.stop.is_set():
+                    return
+                time.sleep(0.0002)
+
+        stream.submit(run)
+
+    def release_flags(self, addresses, value):
+        for a in addresses:
+            _WORD.from_address(a).value = value & 0xFFFFFFFF
+
+    def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas):
+        staged, segments = list(staged), list(segments)
+
+        def read(address, n):
+            if n == 0:
+                return np.zeros(0, np.float32)
+            if dtype == torch.bfloat16:
+                raw = np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(address))
+                return (raw.astype(np.uint32) << 16).view(np.float32)
+            if dtype == torch.float16:
+                return np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(address)).view(np.float16).astype(np.float32)
+            return np.ctypeslib.as_array((ctypes.c_float * n).from_address(address)).copy()
+
+        def run():
+            if self.sum_delay_s:
+                time.sleep(self.sum_delay_s)
+            size = 2 if dtype != torch.float32 else 4
+            out_view = np.ctypeslib.as_array((ctypes.c_float * (first + count)).from_address(out))
+            for off, length, valid, own in segments:
+                lo, hi = max(first, off), min(first + count, off + length)
+                if lo >= hi:
+                    continue
+                acc = np.zeros(hi - lo, np.float32)
+                v_hi = min(hi, off + valid)
+                if v_hi > lo:
+                    n = v_hi - lo
+                    parts = [read(s + lo * size, n) for s in staged] + [read(own + (lo - off) * size, n)]
+                    total = parts[0].copy()
+                    for part in parts[1:]:
+                        total = (total + part).astype(np.float32)
+                    acc[: v_hi - lo] = total
+                t = (acc * np.float32(alpha)).astype(np.float32)
+                out_view[lo:hi] = (out_view[lo:hi] + t).astype(np.float32) if accumulate else t
+            self.kernels += 1
+
+        stream.submit(run)
+
+    def close(self):
+        self.stop.set()
+        for s in self.streams:
+            s.q.put(None)
+
+
+def shared_memory_allocator(group, tag: str):
+    """Symmetric arena segments in POSIX shared memory; peer pointers are local mappings."""
+    keep = []
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+
+    def allocate(name: str, nbytes: int):
+        own = shared_memory.SharedMemory(create=True, size=nbytes, name=f"tide_{tag}_{rank}_{name}")
+        keep.append(own)
+        dist.barrier(group=group)
+        ptrs = []
+        for r in range(world):
+            shm = own if r == rank else shared_memory.SharedMemory(name=f"tide_{tag}_{r}_{name}")
+            keep.append(shm)
+            ptrs.append(ctypes.addressof(ctypes.c_char.from_buffer(shm.buf)))
+        base = torch.frombuffer(own.buf, dtype=torch.uint8)
+        return base, ptrs
+
+    def cleanup():
+        # Unlinking removes only the name; peers that mapped the segment keep their mapping.
+        for shm in keep:
+            try:
+                if shm.name.startswith(f"tide_{tag}_{rank}_"):
+                    shm.unlink()
+            except FileNotFoundError:
+                pass
+
+    allocate.cleanup = cleanup
+    return allocate

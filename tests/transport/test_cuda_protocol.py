@@ -1,0 +1,176 @@
+"""The CUDA transport's protocol on an emulated GPU (CPU processes, shared-memory peer mappings).
+
+Checks descriptors, epoch flags, the reduce-scatter chunk ring with credits and the fault
+matrix without a GPU. The same tests run against real GPUs in tests/transport/test_cuda_gpu.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support.dist import run_distributed
+from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator
+from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
+from tide_core import PeerStallTimeout
+from tide_core.config import TIDEConfig
+from tide_core.plan import Topology
+from tide_core.transport.cuda import CudaTransport
+from tide_core.transport.reference import ReferenceTransport
+
+
+def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2):
+    dev = EmulatedDevice(sum_delay_s=sum_delay_s)
+    alloc = shared_memory_allocator(dist.group.WORLD, tag)
+    config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4)
+    t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
+                      allocator=alloc, faults=faults)
+    return t, dev, alloc
+
+
+def _bitwise_vs_reference(rank, world_size, seed, tag):
+    t, dev, alloc = _transport(world_size, tag)
+    ref = ReferenceTransport(Topology(1, world_size))
+    rng = np.random.default_rng(seed)
+    slot = 0
+    checked = {"ag": 0, "rs": 0}
+    try:
+        for case in range(3):
+            shapes = random_shapes(rng, world_size, max_params=12) + [(world_size * 500 + 3, 7)]  # several chunks
+            for dtype in (torch.bfloat16, torch.float32):
+                lay = layout_for(shapes, world_size, dtype.itemsize)
+                shards = all_shards(seed + case, lay, dtype)
+                outs = t.landing_buffers(lay, slot=slot, dtype=dtype)
+                slot += 1
+                for o in outs:
+                    o.fill_(float("nan"))
+                t.all_gather(lay, shards[rank], outs).wait()
+                for p in range(lay.num_params):
+                    assert torch.equal(outs[p], expected_unsharded(lay, shards, p)), (case, dtype, p)
+                checked["ag"] += 1
+            lay = layout_for(shapes, world_size, 2)
+            for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                grads = all_grads(seed + 10 + case, shapes, world_size, dtype)
+                for accumulate, alpha in ((False, 1.0), (True, 0.25)):
+                    base = torch.randn(lay.total_shard_numel, generator=torch.Generator().manual_seed(case))
+                    out = base.clone() if accumulate else torch.full((lay.total_shard_numel,), float("nan"))
+                    expect = base.clone() if accumulate else torch.empty(lay.total_shard_numel)
+                    t.reduce_scatter(lay, grads[rank], out, alpha=alpha, accumulate=accumulate).wait()
+                    ref.reduce_scatter(lay, grads[rank], expect, alpha=alpha, accumulate=accumulate)
+                    assert torch.equal(out, expect), (case, dtype, accumulate)
+                    checked["rs"] += 1
+        t.synchronize()
+        assert not dev.errors, dev.errors
+        return checked, t.rs_seq, dev.kernels, t.staging_bytes
+    finally:
+        dev.close()
+        alloc.cleanup()
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_emulated_cuda_transport_is_bitwise_equal_to_reference(world_size):
+    results = run_distributed(_bitwise_vs_reference, world_size, args=(17 + world_size, uuid.uuid4().hex[:8]),
+                              timeout=240)
+    checked, chunks, kernels, staging = results[0]
+    assert checked == {"ag": 6, "rs": 18}
+    assert chunks > 18 * 2  # several chunks per call: the 2-slot ring and its credits were exercised
+    assert kernels > chunks  # launches were split (emulated MAX_SEGMENTS = 5)
+    assert staging == world_size * 2 * 4096
+
+
+def _fault(rank, world_size, tag, fault, faulty_rank):
+    faults = fault if rank == faulty_rank else None
+    delay = 0.05 if (fault.get("early_reuse") and rank != faulty_rank) else 0.0
+    t, dev, alloc = _transport(world_size, tag, faults=faults, sum_delay_s=delay, timeout_s=2.0)
+    ref = ReferenceTransport(Topology(1, world_size))
+    shapes = [(4096, 3), (37,), (2 * world_size + 1, 5)]
+    outcome = {"timeout": None, "corrupt": False}
+    ag_layout = layout_for(shapes, world_size, 2)
+    landings = [t.landing_buffers(ag_layout, slot=call, dtype=torch.bfloat16) for call in range(4)]  # collective
+    rs_grads = [all_grads(call, shapes, world_size, torch.bfloat16) for call in range(4)]
+    expected = []
+    for call in range(4):  # reference results first: collectives cannot follow a fail-stop
+        expected.append(torch.empty(ag_layout.total_shard_numel))
+        ref.reduce_scatter(ag_layout, rs_grads[call][rank], expected[-1])
+    try:
+        for call in range(4):
+            if "skip_completion" in fault:
+                shards = all_shards(call, ag_layout, torch.bfloat16)
+                for o in landings[call]:
+                    o.fill_(float("nan"))
+                works = [(t.all_gather(ag_layout, shards[rank], landings[call]),)]
+            else:
+                out = torch.empty(ag_layout.total_shard_numel)
+                works = [(t.reduce_scatter(ag_layout, rs_grads[call][rank], out), out, expected[call])]
+            t.synchronize()
+            for w in works:
+                if len(w) == 3:
+                    outcome["corrupt"] |= not torch.equal(w[1], w[2])
+        t.synchronize()
+    except PeerStallTimeout as exc:
+        outcome["timeout"] = str(exc)
+    finally:
+        dev.close()
+        try:
+            alloc.cleanup()
+        except Exception:
+            pass
+    return outcome
+
+
+def _ag_reorder(rank, world_size, tag):
+    faults = {"reorder_call": 2} if rank == 1 else None
+    t, dev, alloc = _transport(world_size, tag, faults=faults, timeout_s=5.0)
+    layouts = [layout_for([(9, 4), (5,)], world_size, 2), layout_for([(7, 3)], world_size, 2)]
+    landings = [t.landing_buffers(lay, slot=i, dtype=torch.bfloat16) for i, lay in enumerate(layouts)]
+    for i, lay in enumerate(layouts):  # calls 0 and 1 in order: every layout is agreed on once
+        t.all_gather(lay, all_shards(i, lay, torch.bfloat16)[rank], landings[i]).wait()
+    t.synchronize()
+    try:
+        pending, corrupt = [], False
+        for i, lay in enumerate(layouts):
+            shards = all_shards(i, lay, torch.bfloat16)
+            outs = landings[i]
+            for o in outs:
+                o.fill_(float("nan"))
+            pending.append((t.all_gather(lay, shards[rank], outs), lay, shards, outs))
+            if rank == 0:  # the healthy rank consumes each result as soon as it completes
+                pending[-1][0].wait()
+                t.synchronize()
+                corrupt |= any(not torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
+        t.synchronize()
+        return corrupt
+    except PeerStallTimeout:
+        return "timeout"
+    finally:
+        dev.close()
+        alloc.cleanup()
+
+
+FAULTS = {
+    "skip a completion signal": ({"skip_completion": {2}}, "timeout"),
+    "drop a credit": ({"drop_credit_from": 1}, "timeout"),
+    "reuse a chunk early": ({"early_reuse": True}, "corrupt"),
+}
+
+
+@pytest.mark.parametrize("name", list(FAULTS))
+def test_fault_injection_is_detected(name):
+    fault, expected = FAULTS[name]
+    faulty = 0 if "drop_credit_from" in fault else 1
+    outcomes = run_distributed(_fault, 2, args=(uuid.uuid4().hex[:8], fault, faulty), timeout=120)
+    print(f"\n{name}: {outcomes}")
+    if expected == "timeout":
+        # fail-stop on every rank: each raises PeerStallTimeout instead of hanging
+        assert all(o["timeout"] and "did not complete within 2 s" in o["timeout"] for o in outcomes)
+    else:
+        assert any(o["corrupt"] or o["timeout"] for o in outcomes)
+
+
+def test_reordered_calls_are_detected():
+    outcomes = run_distributed(_ag_reorder, 2, args=(uuid.uuid4().hex[:8],), timeout=120)
+    assert any(o is True or o == "timeout" for o in outcomes)

@@ -1,0 +1,37 @@
+"""Symmetric (peer-mapped) device memory for the CUDA transport, from torch's symmetric memory.
+
+Uses torch.distributed._symmetric_memory with its CUDA backend (plain P2P mappings; multicast
+stays disabled on the lent machines and is never requested). ``symm_mem.empty`` allocates from
+a torch MemPool, so ``torch.cuda.memory_reserved()`` accounts for the arena.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from tide_core.errors import TransportError
+
+
+def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    handles = []  # keep rendezvous handles (and their peer mappings) alive with the arena
+
+    def allocate(name: str, nbytes: int):
+        with torch.cuda.device(device):
+            base = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+            handle = symm_mem.rendezvous(base, group)
+        handles.append(handle)
+        me = dist.get_rank(group)
+        offset = base.data_ptr() - handle.buffer_ptrs[me]
+        offsets: list = [None] * dist.get_world_size(group)
+        dist.all_gather_object(offsets, offset, group=group)
+        if len(set(offsets)) != 1:
+            raise TransportError(f"segment {name!r}: symmetric allocation offsets differ across ranks: {offsets}")
+        peers = [handle.buffer_ptrs[r] + offset for r in range(dist.get_world_size(group))]
+        if peers[me] != base.data_ptr():
+            raise TransportError(f"segment {name!r}: local peer pointer does not match the allocation")
+        return base, peers
+
+    return allocate

@@ -1,0 +1,89 @@
+"""Fail-stop for stalled peers: every tracked completion event has a deadline.
+
+GPU-side waits (stream memory operations) cannot time out by themselves and polling on SMs would
+cost the SMs TIDE exists to free, so a host thread watches the completion events instead. When
+one misses its deadline the transport is marked failed (every later call and wait raises
+PeerStallTimeout) and its local flags are released so the stuck streams drain rather than hang
+the process.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from collections import deque
+from typing import Callable
+
+from tide_core.errors import PeerStallTimeout
+
+
+class Watchdog:
+    def __init__(self, query: Callable[[object], bool], timeout_s: float, on_stall: Callable[[str], None],
+                 poll_s: float = 0.005):
+        self._query = query
+        self.timeout_s = timeout_s
+        self._on_stall = on_stall
+        self._poll_s = poll_s
+        self._pending: deque = deque()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.failure: PeerStallTimeout | None = None
+
+    def track(self, event, what: str) -> None:
+        with self._lock:
+            self._pending.append((event, time.monotonic() + self.timeout_s, what))
+        if self._thread is None:
+            self._thread = threading.Thread(target=_run, args=(weakref.ref(self),), name="tide-watchdog", daemon=True)
+            self._thread.start()
+
+    def check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def wait_all(self, timeout_s: float | None = None) -> None:
+        """Host-wait until every tracked event completed; raise PeerStallTimeout at the deadline."""
+        deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
+        while True:
+            self.check()
+            if self._poll_once(force_deadline=deadline):
+                return
+            time.sleep(self._poll_s)
+
+    def _poll_once(self, force_deadline: float | None = None) -> bool:
+        """Drop completed events; fail on an expired one. True when nothing is pending."""
+        now = time.monotonic()
+        with self._lock:
+            while self._pending and self._query(self._pending[0][0]):
+                self._pending.popleft()
+            for event, deadline, what in self._pending:
+                if self._query(event):
+                    continue
+                limit = deadline if force_deadline is None else min(deadline, force_deadline)
+                if now > limit:
+                    self._fail(what)
+                    break
+            return not self._pending
+
+    def _fail(self, what: str) -> None:
+        if self.failure is None:
+            self.failure = PeerStallTimeout(
+                f"{what} did not complete within {self.timeout_s:g} s: a peer stalled, skipped a signal or "
+                "issued a different call order (TIDE_TIMEOUT_S sets the limit)"
+            )
+            self._on_stall(what)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _run(ref: "weakref.ref[Watchdog]") -> None:
+    while True:
+        dog = ref()
+        if dog is None or dog._stop.is_set() or dog.failure is not None:
+            return
+        dog._poll_once()
+        poll = dog._poll_s
+        del dog
+        time.sleep(poll)

@@ -115,6 +115,7 @@ class CudaTransport(Transport):
         self._deferred = None
         self._agreed: set = set()
         self._plans: dict = {}
+        self._descriptors: dict = {}
         self.n_slots = self.config.chunk_slots
         self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
         self.staging = None
@@ -217,17 +218,22 @@ class CudaTransport(Transport):
 
     def _all_gather(self, layout: GroupLayout, shards, outputs) -> CudaWork:
         dev, me = self.dev, self.rank
-        plan = self._ag_plan(layout)
+        key = ("ag-desc", layout.signature(), tuple(s.data_ptr() for s in shards), tuple(o.data_ptr() for o in outputs))
+        descriptors = self._descriptors.get(key)
+        if descriptors is None:
+            plan = self._ag_plan(layout)
+            peer_out = [self._peer_address(outputs[p], layout.unsharded_numel(p) * layout.itemsize, f"outputs[{p}]")
+                        for p in range(layout.num_params)]
+            dsts, srcs, sizes = [], [], []
+            for push in plan.local_pushes:
+                p = push.param
+                dsts.append(peer_out[p][push.dst_local] + push.dst_offset - layout.landing(p, 0))
+                srcs.append(shards[p].data_ptr())
+                sizes.append(push.nbytes)
+            descriptors = self._remember(key, (dsts, srcs, sizes))
+        dsts, srcs, sizes = descriptors
         self.ag_epoch += 1
         e = self.ag_epoch
-        peer_out = [self._peer_address(outputs[p], layout.unsharded_numel(p) * layout.itemsize, f"outputs[{p}]")
-                    for p in range(layout.num_params)]
-        dsts, srcs, sizes = [], [], []
-        for push in plan.local_pushes:
-            p = push.param
-            dsts.append(peer_out[p][push.dst_local] + push.dst_offset - layout.landing(p, 0))
-            srcs.append(shards[p].data_ptr())
-            sizes.append(push.nbytes)
 
         start = dev.record(dev.current_stream())
         peers = self.peers
@@ -279,6 +285,13 @@ class CudaTransport(Transport):
             first = end
         return launches
 
+    def _remember(self, key, value):
+        """Per-call descriptor lists keyed by the buffers' addresses (FSDP2 reuses them across steps)."""
+        if len(self._descriptors) >= 256:
+            self._descriptors.pop(next(iter(self._descriptors)))
+        self._descriptors[key] = value
+        return value
+
     def _ensure_staging(self) -> None:
         if self.staging is None:
             self.staging = self.arena.segment("staging", self.topology.gpus_per_node * self.n_slots * self.chunk_bytes)
@@ -299,6 +312,18 @@ class CudaTransport(Transport):
         n_slots = self.n_slots
         grad_ptr = [g.data_ptr() for g in grads]
         owners = peers  # on one node every peer owns its own rows
+        key = ("rs-desc", layout.signature(), chunk_elems, tuple(grad_ptr))
+        descriptors = self._descriptors.get(key)
+        if descriptors is None:
+            pushes, sums = [], []
+            for k, chunk in enumerate(chunks):
+                pushes.append([(self.staging.peer_ptrs[cp.owner], cp.staging_offset * itemsize,
+                                grad_ptr[cp.param] + cp.src_offset * itemsize, cp.length * itemsize) for cp in copies[k]])
+                sums.append([(first, count, [(sg.out_offset - chunk.start, sg.length, sg.valid,
+                                              grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segs])
+                             for first, count, segs in launches[k]])
+            descriptors = self._remember(key, (pushes, sums))
+        pushes, sums = descriptors
 
         start = dev.record(dev.current_stream())
         # Source side: push my rows of every owner into its staging ring.
@@ -308,12 +333,8 @@ class CudaTransport(Transport):
             if q >= n_slots and not self.faults.get("early_reuse"):
                 dev.wait_flags(self.s_push, [self.local_flag(RS_CREDIT, j) for j in owners], q - n_slots + 1)
             slot = q % n_slots
-            dsts, srcs, sizes = [], [], []
-            for cp in copies[k]:
-                dsts.append(self._staging_slot(self.staging.peer_ptrs[cp.owner], me, slot) + cp.staging_offset * itemsize)
-                srcs.append(grad_ptr[cp.param] + cp.src_offset * itemsize)
-                sizes.append(cp.length * itemsize)
-            dev.copy_batch(self.s_push, dsts, srcs, sizes)
+            dev.copy_batch(self.s_push, [self._staging_slot(base, me, slot) + offset for base, offset, _, _ in pushes[k]],
+                           [src for _, _, src, _ in pushes[k]], [n for _, _, _, n in pushes[k]])
             dev.write_flags(self.s_push, [self.peer_flag(j, RS_ARRIVAL, me) for j in owners], q + 1)
         pushed = dev.record(self.s_push)
 
@@ -325,9 +346,7 @@ class CudaTransport(Transport):
             slot = q % n_slots
             dev.wait_flags(self.s_sum, [self.local_flag(RS_ARRIVAL, u) for u in peers], q + 1)
             staged = [self._staging_slot(self.staging.ptr, u, slot) for u in order]
-            for first, count, segs in launches[k]:
-                segments = [(s.out_offset - chunk.start, s.length, s.valid, grad_ptr[s.param] + s.src_offset * itemsize)
-                            for s in segs]
+            for first, count, segments in sums[k]:
                 dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged, segments, first, count, float(alpha),
                         bool(accumulate), grads[0].dtype, self.config.sum_ctas)
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost

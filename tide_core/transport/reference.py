@@ -55,7 +55,8 @@ class ReferenceTransport(Transport):
         if device is None:
             on_gpu = "nccl" in str(dist.get_backend(self.groups.group)) and torch.cuda.is_available()
             device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.arena = Arena(plain_allocator(torch.device(device)))
+        self.device = torch.device(device)
+        self.arena = Arena(plain_allocator(self.device))
 
     # -- helpers ---------------------------------------------------------------------------
     def _check_layout(self, layout: GroupLayout) -> None:

@@ -1,0 +1,168 @@
+"""CUDA transport on real GPUs (marked `cuda`; skipped without 2 GPUs; run by scripts/gpu)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.support.dist import run_distributed
+from tests.transport.cases import all_grads, all_shards, expected_unsharded, fp64_reduce_scatter, layout_for, random_shapes
+from tide_core import PeerStallTimeout
+from tide_core.config import TIDEConfig
+from tide_core.plan import Topology
+
+pytestmark = pytest.mark.cuda(gpus=2)
+
+
+def _gpus() -> int:
+    return min(torch.cuda.device_count(), 8)
+
+
+def _suite(rank, world_size, seed):
+    from tide_core.transport.cuda import CudaTransport
+    from tide_core.transport.reference import ReferenceTransport
+
+    dev = torch.device("cuda", rank)
+    topo = Topology(1, world_size)
+    report = {"max_rel_err": 0.0, "ag_cases": 0, "rs_cases": 0}
+    rng = np.random.default_rng(seed)
+    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60))  # many chunks
+    big = CudaTransport(topo, config=TIDEConfig(timeout_s=60))
+    ref = ReferenceTransport(topo)
+    slot = 0
+    for case in range(4):
+        shapes = random_shapes(rng, world_size, max_params=30) + [(world_size * 4096 + 5, 67)]
+        for dtype in (torch.bfloat16, torch.float32):
+            lay = layout_for(shapes, world_size, dtype.itemsize)
+            shards = all_shards(seed + case, lay, dtype)
+            for t in (small, big):
+                outs = t.landing_buffers(lay, slot=slot, dtype=dtype)
+                for o in outs:
+                    o.fill_(float("nan"))  # poisoned: every element must be overwritten
+                t.all_gather(lay, [s.to(dev) for s in shards[rank]], outs).wait()
+                torch.cuda.synchronize()
+                for p in range(lay.num_params):
+                    assert torch.equal(outs[p].cpu(), expected_unsharded(lay, shards, p)), (case, dtype, p)
+                report["ag_cases"] += 1
+            slot += 1
+        lay = layout_for(shapes, world_size, 2)
+        E = lay.total_shard_numel
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            grads = all_grads(seed + 100 + case, shapes, world_size, dtype)
+            mine = [g.to(dev) for g in grads[rank]]
+            base = torch.randn(E, generator=torch.Generator().manual_seed(case)).to(dev)
+            for accumulate, alpha in ((False, 1.0), (True, 1.0 / 3)):
+                expect = base.clone() if accumulate else torch.empty(E, device=dev)
+                ref.reduce_scatter(lay, mine, expect, alpha=alpha, accumulate=accumulate)
+                for t in (small, big):
+                    out = base.clone() if accumulate else torch.full((E,), float("nan"), device=dev)
+                    t.reduce_scatter(lay, mine, out, alpha=alpha, accumulate=accumulate).wait()
+                    torch.cuda.synchronize()
+                    assert torch.equal(out, expect), (case, dtype, accumulate, t.chunk_bytes)
+                    report["rs_cases"] += 1
+                y = fp64_reduce_scatter(lay, grads, rank, alpha, base.cpu() if accumulate else None)
+                err = ((expect.cpu().double() - y).abs().max() / max(1.0, y.abs().max().item())).item()
+                report["max_rel_err"] = max(report["max_rel_err"], err)
+                assert err <= 1e-5
+    # integer inputs whose sums are exact: bitwise equal to stock FSDP2 (_chunk_cat + NCCL reduce-scatter)
+    shapes = random_shapes(rng, world_size, max_params=16)
+    lay = layout_for(shapes, world_size, 2)
+    ints = [g.to(dev) for g in all_grads(seed + 7, shapes, world_size, torch.bfloat16, integer=True)[rank]]
+    packed = torch.empty(world_size, lay.total_shard_numel, device=dev)
+    torch._chunk_cat(ints, dim=0, num_chunks=world_size, out=packed)
+    stock = torch.empty(lay.total_shard_numel, device=dev)
+    dist.reduce_scatter_tensor(stock, packed.view(-1))
+    out = torch.empty_like(stock)
+    big.reduce_scatter(lay, ints, out).wait()
+    assert torch.equal(out, stock)
+    # NaN and +Inf land in the expected output classes
+    grads = [g.to(dev) for g in all_grads(seed + 8, shapes, world_size, torch.float32)[rank]]
+    big_p = max(range(len(shapes)), key=lambda p: shapes[p][0])
+    if rank == 0:
+        grads[big_p].view(-1)[0] = float("nan")
+        grads[big_p].view(-1)[1] = float("inf")
+    out = torch.empty(lay.total_shard_numel, device=dev)
+    big.reduce_scatter(lay, grads, out).wait()
+    torch.cuda.synchronize()
+    if rank == 0:
+        start = lay.shard_elem_offset(big_p)
+        assert torch.isnan(out[start]) and torch.isposinf(out[start + 1])
+        mask = torch.ones_like(out, dtype=torch.bool)
+        mask[start : start + 2] = False
+        assert torch.isfinite(out[mask]).all()
+    report["staging_bytes"] = big.staging_bytes
+    report["reserved_bytes"] = torch.cuda.memory_reserved(dev)
+    report["arena_bytes"] = big.arena.reserved_bytes + small.arena.reserved_bytes
+    return report
+
+
+def test_cuda_transport_bitwise_equal_to_reference_and_fp64():
+    reports = run_distributed(_suite, _gpus(), args=(7,), backend="nccl", timeout=400)
+    worst = max(r["max_rel_err"] for r in reports)
+    print(f"\ncuda transport: {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} RS cases bitwise equal to the "
+          f"reference transport; max rel err vs fp64 {worst:.3e}; staging {reports[0]['staging_bytes']} B")
+    assert reports[0]["reserved_bytes"] >= reports[0]["arena_bytes"]  # arena counted by torch's allocator
+
+
+def _faults(rank, world_size, fault, faulty_rank):
+    from tide_core.transport.cuda import CudaTransport
+    from tide_core.transport.reference import ReferenceTransport
+
+    dev = torch.device("cuda", rank)
+    topo = Topology(1, world_size)
+    t = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
+                      faults=fault if rank == faulty_rank else None)
+    ref = ReferenceTransport(topo)
+    shapes = [(world_size * 8192, 33), (37,), (2 * world_size + 1, 5)]
+    lay = layout_for(shapes, world_size, 2)
+    landings = [t.landing_buffers(lay, slot=i) for i in range(4)]
+    grads = [[g.to(dev) for g in all_grads(i, shapes, world_size, torch.bfloat16)[rank]] for i in range(4)]
+    expected = []
+    for i in range(4):
+        expected.append(torch.empty(lay.total_shard_numel, device=dev))
+        ref.reduce_scatter(lay, grads[i], expected[-1])
+    shards = [[s.to(dev) for s in all_shards(i, lay, torch.bfloat16)[rank]] for i in range(4)]
+    all_shard_sets = [all_shards(i, lay, torch.bfloat16) for i in range(4)]
+    outcome = {"timeout": None, "corrupt": False}
+    try:
+        for i in range(4):
+            if "skip_completion" in fault or "reorder_call" in fault:
+                for o in landings[i]:
+                    o.fill_(float("nan"))
+                work = t.all_gather(lay, shards[i], landings[i])
+                if "reorder_call" in fault and rank == faulty_rank:
+                    continue
+                work.wait()
+                t.synchronize()
+                outcome["corrupt"] |= any(not torch.equal(landings[i][p].cpu(), expected_unsharded(lay, all_shard_sets[i], p))
+                                          for p in range(lay.num_params))
+            else:
+                out = torch.empty(lay.total_shard_numel, device=dev)
+                t.reduce_scatter(lay, grads[i], out).wait()
+                t.synchronize()
+                outcome["corrupt"] |= not torch.equal(out, expected[i])
+        t.synchronize()
+    except PeerStallTimeout as exc:
+        outcome["timeout"] = str(exc)
+    return outcome
+
+
+GPU_FAULTS = {
+    "skip a completion signal": ({"skip_completion": {2}}, 1, "timeout"),
+    "drop a credit": ({"drop_credit_from": 1}, 0, "timeout"),
+    "reuse a chunk early": ({"early_reuse": True}, 1, "corrupt_or_timeout"),
+    "reorder calls": ({"reorder_call": 1}, 1, "corrupt_or_timeout"),
+}
+
+
+@pytest.mark.parametrize("name", list(GPU_FAULTS))
+def test_gpu_fault_injection_is_detected(name):
+    fault, faulty, expected = GPU_FAULTS[name]
+    outcomes = run_distributed(_faults, 2, args=(fault, faulty), backend="nccl", timeout=180)
+    print(f"\nfault '{name}': {outcomes}")
+    if expected == "timeout":
+        assert all(o["timeout"] for o in outcomes)
+    else:
+        assert any(o["corrupt"] or o["timeout"] for o in outcomes)

@@ -1,0 +1,124 @@
+"""``python -m tide_core.bench ag|rs|interference|train|all``: TIDE vs stock FSDP2 vs bare NCCL.
+
+Runs on every visible GPU (one process each, NCCL); on a CPU-only machine ``ag``/``rs`` run 2
+gloo processes with the reference transport (a smoke test of the harness, not a measurement).
+Results are printed and written as dated markdown tables (and PNG plots for ``train``) under
+``--out`` (default benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from tide_core.bench import collectives, interference
+from tide_core.bench.common import launch, write_result
+
+
+def _transport(world_size: int):
+    from tide_core.config import TIDEConfig
+    from tide_core.plan import Topology
+    from tide_core.transport import make_transport
+
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return make_transport("auto", Topology(1, world_size), None, device=device, config=TIDEConfig.from_env())
+
+
+def _collectives_worker(rank, world_size, args):
+    t = _transport(world_size)
+    rows = collectives.run_collectives(rank, world_size, kind=args.command, sizes_mib=args.sizes, iters=args.iters,
+                                       transport=t)
+    rate = collectives.measure_push_rate(t)
+    if rank == 0:
+        body = collectives.format_rows(rows, floor_gbps=rate)
+        if rate:
+            body += f"\n\nCopy-engine push rate (one 256 MiB cudaMemcpyBatchAsync into the next peer, all ranks at once): {rate:.0f} GB/s"
+        body += f"\n\nP = {30 if args.command == 'ag' else 16} uneven parameters; {args.iters} timed calls per system, each started after a barrier."
+        print(body, flush=True)
+        if args.write:
+            path = write_result(args.out, args.command, f"TIDE-{args.command.upper()} vs stock FSDP2 vs bare NCCL", body)
+            print(f"wrote {path}")
+        with open(os.path.join(args.scratch, f"{args.command}.json"), "w") as f:
+            json.dump({"rows": rows, "push_gbps": rate}, f)
+
+
+def _interference_worker(rank, world_size, args):
+    t = _transport(world_size)
+    rows = interference.run_interference(rank, world_size, transport=t, size_mib=args.sizes[0])
+    if rank == 0:
+        body = interference.format_rows(rows) + f"\n\nCollectives use {args.sizes[0]} MiB per-rank shards; victims run on the compute stream while the collective loops on a side stream."
+        print(body, flush=True)
+        if args.write:
+            print(f"wrote {write_result(args.out, 'interference', 'Interference with concurrent compute', body)}")
+        with open(os.path.join(args.scratch, "interference.json"), "w") as f:
+            json.dump(rows, f)
+
+
+def run_train(args) -> None:
+    from tide_core.bench import train
+    from tide_core.bench.report_train import write_train_report
+
+    for model in args.models:
+        ns = argparse.Namespace(**vars(args))
+        ns.model = model
+        ns.layers = args.layers if model == "llama3-8b" else args.moe_layers
+        ns.phase = "timing"
+        launch(train.worker, ns)
+        for system in train.SYSTEMS:
+            ns.phase, ns.system = "memory", system
+            launch(train.worker, ns)
+        if args.loss_steps and model == args.models[0]:
+            ns.phase = "loss"
+            launch(train.worker, ns)
+        path = write_train_report(ns)
+        print(f"wrote {path}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m tide_core.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("command", choices=("ag", "rs", "interference", "train", "all"))
+    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128],
+                   help="per-rank shard sizes in MiB (default 32,128)")
+    p.add_argument("--iters", type=int, default=20, help="timed calls per system (default 20)")
+    p.add_argument("--out", default="benchmarks/results", help="directory for the markdown results")
+    p.add_argument("--no-write", dest="write", action="store_false", help="print only")
+    p.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "qwen3-moe"])
+    p.add_argument("--layers", type=int, default=8, help="dense model layers (8 = ~2.8B)")
+    p.add_argument("--moe-layers", type=int, default=8)
+    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096, 8192],
+                   help="tokens per GPU per step")
+    p.add_argument("--rounds", type=int, default=4, help="timed rounds after the warm-up round")
+    p.add_argument("--steps", type=int, default=3, help="steps per system per round")
+    p.add_argument("--ac", action="store_true", help="activation checkpointing on every block")
+    p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on real text (e.g. 200)")
+    p.add_argument("--loss-tokens", type=int, default=2048)
+    p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    args.scratch = args.scratch or tempfile.mkdtemp(prefix="tide-bench-")
+    commands = ["ag", "rs", "interference", "train"] if args.command == "all" else [args.command]
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    for command in commands:
+        args.command = command
+        if command in ("ag", "rs"):
+            launch(_collectives_worker, args)
+        elif gpus < 2:
+            print(f"{command}: needs at least 2 CUDA GPUs ({gpus} visible); skipped", file=sys.stderr)
+        elif command == "interference":
+            launch(_interference_worker, args)
+        else:
+            run_train(args)
+    print(f"raw results: {args.scratch}")
+    return 0
+
+

@@ -1,0 +1,176 @@
+"""Benchmark plumbing: process launch, timing, environment capture, markdown output."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker, args, world_size: int | None = None, backend: str | None = None):
+    """Run ``worker(rank, world_size, args)`` on every visible GPU (or 2 CPU processes with gloo),
+    unless already inside a torchrun-style launch (WORLD_SIZE set)."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        _init(backend)
+        try:
+            return worker(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    world_size = world_size or (gpus if gpus >= 1 else 2)
+    port = free_port()
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_entry, args=(worker, world_size, port, backend, args), nprocs=world_size, start_method="spawn")
+
+
+def _entry(rank, worker, world_size, port, backend, args):
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    _init(backend)
+    try:
+        worker(rank, world_size, args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _init(backend: str | None) -> None:
+    use_cuda = torch.cuda.is_available() and backend != "gloo"
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
+    dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))
+
+
+@dataclass
+class Timing:
+    times_ms: list[float]
+
+    @property
+    def min(self) -> float:
+        return min(self.times_ms)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times_ms)
+
+    @property
+    def spread(self) -> float:
+        """Interquartile range in ms."""
+        if len(self.times_ms) < 4:
+            return max(self.times_ms) - min(self.times_ms)
+        q = statistics.quantiles(self.times_ms, n=4)
+        return q[2] - q[0]
+
+
+def time_collective(fn, iters: int, warmup: int = 3) -> Timing:
+    """Each iteration starts with every rank synchronised (barrier + device sync) and is timed with
+    device events around the call, so skew between ranks is not counted and nothing overlaps."""
+    on_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        dist.barrier()
+        if on_cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return Timing(times)
+
+
+def count_kernels(fn) -> tuple[int, int]:
+    """(SM kernels, copy records) one call launches, from a CUDA profiler trace."""
+    if not torch.cuda.is_available():
+        return 0, 0
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = copies = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if "memcpy" in e.name.lower() or "memset" in e.name.lower():
+            copies += 1
+        else:
+            kernels += 1
+    return kernels, copies
+
+
+def environment() -> dict:
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    if torch.cuda.is_available():
+        info["gpus"] = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        info["cuda"] = torch.version.cuda
+        try:
+            info["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        except Exception:
+            pass
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                 capture_output=True, text=True, timeout=10)
+            info["driver"] = out.stdout.strip().splitlines()[0]
+        except Exception:
+            pass
+        try:
+            out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10)
+            line = next((l for l in out.stdout.splitlines() if l.startswith("GPU0")), "")
+            info["link"] = " ".join(line.split()[1:3])
+        except Exception:
+            pass
+    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+        if var in os.environ:
+            info[var] = os.environ[var]
+    return info
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    for row in rows:
+        lines.append("| " + " | ".join(str(c) for c in row) + " |")
+    return "\n".join(lines)
+
+
+def write_result(out_dir: str | os.PathLike, kind: str, title: str, body: str, command: str | None = None) -> Path:
+    env = environment()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    machine = env.get("gpus", "cpu").replace(" ", "").replace("NVIDIA", "").lower()
+    path = out_dir / f"{env['date'][:10]}-{kind}-{machine}.md"
+    command = command or "python -m tide_core.bench " + " ".join(sys.argv[1:])
+    header = [f"# {title}", "", f"Command: `{command}`", ""]
+    header += [f"- {k}: {v}" for k, v in env.items()]
+    path.write_text("\n".join(header) + "\n\n" + body + "\n")
+    return path

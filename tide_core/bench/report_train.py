@@ -1,0 +1,140 @@
+"""Turn the training benchmark's raw JSON into a dated markdown table and PNG plots."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from tide_core.bench.common import environment, markdown_table, write_result
+
+GiB = 1 << 30
+
+
+def _load(scratch: str, name: str):
+    path = os.path.join(scratch, name)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def moving_average(values: list[float], window: int = 10) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def loss_summary(losses: dict) -> tuple[str, dict]:
+    base, other, tide = "stock seed 0", "stock seed 1", "TIDE in_place seed 0"
+    ma = {k: moving_average(v) for k, v in losses.items()}
+    skip = min(20, len(ma[base]) // 2)  # early steps are dominated by the initial transient
+    spread = max(abs(a - b) for a, b in zip(ma[base][skip:], ma[other][skip:]))
+    tide_diff = max(abs(a - b) for a, b in zip(ma[base][skip:], ma[tide][skip:]))
+    final = {k: v[-1] for k, v in ma.items()}
+    text = (f"Loss over {len(losses[base])} steps on real text (10-step moving average, steps >= {skip}): "
+            f"stock run-to-run spread (seed 0 vs seed 1) max {spread:.4f}; TIDE In-Place vs stock (same data) max "
+            f"{tide_diff:.4f} -> {'within' if tide_diff <= spread else 'OUTSIDE'} stock's spread. Final: "
+            + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    return text, {"spread": spread, "tide_diff": tide_diff}
+
+
+def write_train_report(args) -> Path:
+    model = args.model
+    timing = _load(args.scratch, f"{model}-timing.json")
+    memory = {s: _load(args.scratch, f"{model}-memory-{s}.json") for s in ("stock", "in_place", "slot_reuse")}
+    losses = _load(args.scratch, f"{model}-loss.json")
+    rows = []
+    for tokens, point in timing["points"].items():
+        stock = point["stock"]["median_ms"]
+        for s, r in point.items():
+            mem = (memory.get(s) or {}).get(str(tokens)) or {}
+            prof = r.get("profile", {})
+            rows.append([tokens, s, f"{r['median_ms']:.1f}", f"{r['iqr_ms']:.1f}", r["n"],
+                         f"{100 * (1 - r['median_ms'] / stock):+.1f}%" if s != "stock" else "-",
+                         f"{mem.get('peak_allocated', 0) / GiB:.1f}", f"{mem.get('peak_reserved', 0) / GiB:.1f}",
+                         f"{prof['layout_copy_ms']:.1f}" if prof else "", f"{prof['nccl_kernel_ms']:.1f}" if prof else "",
+                         f"{prof['tide_sum_kernel_ms']:.1f}" if prof else "", f"{prof['comm_sm_ms']:.1f}" if prof else ""])
+    body = [
+        f"Model: {model}, {args.layers} layers, {timing['params'] / 1e9:.2f}B parameters, random init; bf16 params, "
+        f"fp32 reduce, fused AdamW; activation checkpointing {'on' if args.ac else 'off'}; systems interleaved by round "
+        f"({args.rounds} timed rounds x {args.steps} steps after a warm-up round).",
+        "",
+        markdown_table(["tokens/GPU", "system", "median ms", "IQR ms", "steps", "saving vs stock", "peak alloc GiB",
+                        "peak reserved GiB", "layout-copy kernel ms", "NCCL kernel ms", "TIDE sum kernel ms",
+                        "comm SM-ms/step"], rows),
+        "",
+        "Profile columns come from one traced step at the first tokens/GPU point; memory from a separate launch per "
+        "system (peak over two steps after a warm-up step).",
+    ]
+    if losses:
+        text, _ = loss_summary(losses)
+        body += ["", text]
+    for s in ("in_place", "slot_reuse"):
+        if timing.get(f"report_{s}"):
+            body += ["", f"Install report ({s}, rank 0):", "", "```", timing[f"report_{s}"], "```"]
+    path = write_result(args.out, f"train-{model}", f"Training step time and memory: {model}", "\n".join(body))
+    plots = _plots(path, timing, memory, losses)
+    if plots:
+        with open(path, "a") as f:
+            f.write("\n" + "\n".join(f"![{p.stem}]({p.name})" for p in plots) + "\n")
+    return path
+
+
+def _plots(md_path: Path, timing, memory, losses) -> list[Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return []
+    out = []
+    points = list(timing["points"])
+    systems = list(timing["points"][points[0]])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(systems)
+    for i, s in enumerate(systems):
+        xs = [j + i * width for j in range(len(points))]
+        axes[0].bar(xs, [timing["points"][p][s]["median_ms"] for p in points], width, label=s,
+                    yerr=[timing["points"][p][s]["iqr_ms"] / 2 for p in points])
+        if all(memory.get(s) for s in systems):
+            axes[1].bar(xs, [memory[s][p]["peak_allocated"] / GiB for p in points], width, label=s)
+    for ax, label in zip(axes, ("median step time (ms)", "peak allocated (GiB)")):
+        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(points))], [f"{p} tok/GPU" for p in points])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    path = md_path.with_name(md_path.stem + "-step-memory.png")
+    fig.savefig(path, dpi=110)
+    out.append(path)
+    if losses:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, values in losses.items():
+            ax.plot(moving_average(values), label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (10-step moving average)")
+        ax.legend()
+        fig.tight_layout()
+        path = md_path.with_name(md_path.stem + "-loss.png")
+        fig.savefig(path, dpi=110)
+        out.append(path)
+    plt.close("all")
+    return out
+
+
+if __name__ == "__main__":  # re-render from a scratch directory
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("scratch")
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--out", default="benchmarks/results")
+    a = p.parse_args()
+    print(write_train_report(argparse.Namespace(scratch=a.scratch, model=a.model, out=a.out, layers=0, ac=False,
+                                                rounds=0, steps=0)))
+    print(environment())

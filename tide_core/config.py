@@ -28,6 +28,9 @@ class TIDEConfig:
     max_params: int = 256
     #: Seconds any cross-GPU wait may take before PeerStallTimeout is raised.
     timeout_s: float = 300.0
+    #: After a stall nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
+    #: process (fail-stop, like NCCL's watchdog) instead of hanging.
+    abort_on_stall: bool = True
     #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
     sum_ctas: int = 16
     #: Reduce-scatter staging chunk in MiB and chunk slots per source peer (bounded staging).

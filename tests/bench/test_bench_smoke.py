@@ -22,3 +22,18 @@ def test_collective_benchmarks_run_on_cpu(tmp_path):
         assert all(r["median_ms"] > 0 for r in rows)
         written = list(tmp_path.glob(f"*-{command}-cpu.md"))
         assert written and "| op | shard S | system |" in written[0].read_text()
+
+
+def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tide_core.bench", "train", "--models", "tiny", "--layers", "2", "--tokens", "64",
+         "--rounds", "1", "--steps", "2", "--loss-steps", "4", "--loss-tokens", "32", "--out", str(tmp_path),
+         "--scratch", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = next(tmp_path.glob("*-train-tiny-cpu.md")).read_text()
+    assert "| 64 | in_place |" in report and "| 64 | slot_reuse |" in report
+    assert "TIDE In-Place vs stock (same data)" in report
+    timing = json.loads((tmp_path / "tiny-timing.json").read_text())
+    assert set(timing["points"]["64"]) == {"stock", "in_place", "slot_reuse"}

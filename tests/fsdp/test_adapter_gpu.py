@@ -85,7 +85,7 @@ def _parity_and_trace(rank, world_size):
 
 
 def test_adapter_on_gpus_parity_pointers_and_no_layout_kernels():
-    r = run_distributed(_parity_and_trace, 2, backend="nccl", timeout=400)[0]
+    r = run_distributed(_parity_and_trace, 2, backend="nccl", timeout=150)[0]
     print("\n" + r["report"])
     for key in ("parity mp=False", "parity mp=True"):
         diff, same = r[key]

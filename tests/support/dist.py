@@ -41,10 +41,13 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
     os.environ.update(env)
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)  # a hang leaves every thread's stack
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -68,6 +71,8 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
     port = free_port()
     results = ctx.Queue()
     env = dict(env or {})
+    if backend == "nccl":
+        env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # more hardware queues for TIDE's streams
     procs = [
         ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, env, timeout), daemon=True)
         for rank in range(world_size)

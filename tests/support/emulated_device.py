@@ -40,8 +40,11 @@ class EmuEvent:
 
 
 class EmuStream:
-    def __init__(self, device: "EmulatedDevice", name: str):
+    def __init__(self, device: "EmulatedDevice", name: str, shared: "EmuStream | None" = None):
         self.device = device
+        if shared is not None:  # hardware-queue aliasing: this stream's work joins another's FIFO
+            self.q, self.thread = shared.q, shared.thread
+            return
         self.q: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name=f"emu-{name}", daemon=True)
         self.thread.start()
@@ -77,7 +80,10 @@ class EmulatedDevice:
     max_segments = 5  # small, so chunk launches really get split in tests
     max_sources = 16
 
-    def __init__(self, sum_delay_s: float = 0.0):
+    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None):
+        """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
+        with 1, a blocked stream-memory wait stalls every later operation of every stream."""
+        self.hardware_queues = hardware_queues
         self.streams: list[EmuStream] = []
         self.host = HostStream(self)
         self.stop = threading.Event()
@@ -87,7 +93,11 @@ class EmulatedDevice:
         self.kernels = 0
 
     def stream(self, priority: int = 0) -> EmuStream:
-        s = EmuStream(self, f"s{len(self.streams)}")
+        n = len(self.streams)
+        shared = None
+        if self.hardware_queues is not None and n >= self.hardware_queues:
+            shared = self.streams[n % self.hardware_queues]
+        s = EmuStream(self, f"s{n}", shared)
         self.streams.append(s)
         return s
 
@@ -106,7 +116,7 @@ class EmulatedDevice:
         return event.query()
 
     def synchronize(self):
-        for s in self.streams:
+        for s in {id(s.q): s for s in self.streams}.values():
             s.q.join()
 
     def copy_batch(self, stream, dsts, srcs, sizes):
@@ -185,7 +195,7 @@ class EmulatedDevice:
 
     def close(self):
         self.stop.set()
-        for s in self.streams:
+        for s in {id(s.q): s for s in self.streams}.values():
             s.q.put(None)
 
 

@@ -99,7 +99,7 @@ def _suite(rank, world_size, seed):
 
 
 def test_cuda_transport_bitwise_equal_to_reference_and_fp64():
-    reports = run_distributed(_suite, _gpus(), args=(7,), backend="nccl", timeout=400)
+    reports = run_distributed(_suite, _gpus(), args=(7,), backend="nccl", timeout=150)
     worst = max(r["max_rel_err"] for r in reports)
     print(f"\ncuda transport: {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} RS cases bitwise equal to the "
           f"reference transport; max rel err vs fp64 {worst:.3e}; staging {reports[0]['staging_bytes']} B")
@@ -160,7 +160,7 @@ GPU_FAULTS = {
 @pytest.mark.parametrize("name", list(GPU_FAULTS))
 def test_gpu_fault_injection_is_detected(name):
     fault, faulty, expected = GPU_FAULTS[name]
-    outcomes = run_distributed(_faults, 2, args=(fault, faulty), backend="nccl", timeout=180)
+    outcomes = run_distributed(_faults, 2, args=(fault, faulty), backend="nccl", timeout=60)
     print(f"\nfault '{name}': {outcomes}")
     if expected == "timeout":
         assert all(o["timeout"] for o in outcomes)

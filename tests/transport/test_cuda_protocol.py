@@ -23,8 +23,8 @@ from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2):
-    dev = EmulatedDevice(sum_delay_s=sum_delay_s)
+def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None):
+    dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4)
     t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
@@ -32,8 +32,8 @@ def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0,
     return t, dev, alloc
 
 
-def _bitwise_vs_reference(rank, world_size, seed, tag):
-    t, dev, alloc = _transport(world_size, tag)
+def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None):
+    t, dev, alloc = _transport(world_size, tag, hardware_queues=hardware_queues, timeout_s=20.0)
     ref = ReferenceTransport(Topology(1, world_size))
     rng = np.random.default_rng(seed)
     slot = 0
@@ -149,6 +149,13 @@ def _ag_reorder(rank, world_size, tag):
     finally:
         dev.close()
         alloc.cleanup()
+
+
+def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
+    """CUDA maps streams onto a few hardware FIFOs (CUDA_DEVICE_MAX_CONNECTIONS); a blocked stream
+    wait then stalls every later operation behind it. The enqueue order must still make progress."""
+    results = run_distributed(_bitwise_vs_reference, 2, args=(5, uuid.uuid4().hex[:8], 1), timeout=240)
+    assert results[0][0] == {"ag": 6, "rs": 18}
 
 
 FAULTS = {

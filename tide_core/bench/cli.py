@@ -67,7 +67,7 @@ def run_train(args) -> None:
     for model in args.models:
         ns = argparse.Namespace(**vars(args))
         ns.model = model
-        ns.layers = args.layers if model == "llama3-8b" else args.moe_layers
+        ns.layers = args.moe_layers if "moe" in model else args.layers
         ns.phase = "timing"
         launch(train.worker, ns)
         for system in train.SYSTEMS:
@@ -112,12 +112,12 @@ def main(argv=None) -> int:
         args.command = command
         if command in ("ag", "rs"):
             launch(_collectives_worker, args)
+        elif command == "train" and (gpus >= 2 or all(m.startswith("tiny") for m in args.models)):
+            run_train(args)  # tiny models also run on 2 CPU processes (a smoke test of the harness)
         elif gpus < 2:
             print(f"{command}: needs at least 2 CUDA GPUs ({gpus} visible); skipped", file=sys.stderr)
-        elif command == "interference":
-            launch(_interference_worker, args)
         else:
-            run_train(args)
+            launch(_interference_worker, args)
     print(f"raw results: {args.scratch}")
     return 0
 

@@ -41,6 +41,7 @@ def launch(worker, args, world_size: int | None = None, backend: str | None = No
 
 
 def _entry(rank, worker, world_size, port, backend, args):
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts: more hardware queues
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     _init(backend)

@@ -34,7 +34,16 @@ def qwen3_moe(layers: int = 8, experts: int = 64) -> ModelConfig:
     return ModelConfig("qwen3-moe", 2048, layers, 32, 4, 128, 768, 151936, experts=experts, top_k=8)
 
 
-MODELS = {"llama3-8b": llama3_8b, "qwen3-moe": qwen3_moe}
+def tiny(layers: int = 2) -> ModelConfig:
+    """For CPU smoke tests of the benchmark harness."""
+    return ModelConfig("tiny", 64, layers, 4, 2, 16, 96, 256)
+
+
+def tiny_moe(layers: int = 2) -> ModelConfig:
+    return ModelConfig("tiny-moe", 64, layers, 4, 2, 16, 32, 256, experts=8, top_k=2)
+
+
+MODELS = {"llama3-8b": llama3_8b, "qwen3-moe": qwen3_moe, "tiny": tiny, "tiny-moe": tiny_moe}
 
 
 class RMSNorm(nn.Module):

@@ -33,7 +33,7 @@ def build(config, system: str, *, ac: bool, seed: int = 0):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
-    with torch.device("cuda"):
+    with torch.device(_device()):
         model = Transformer(config)
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -44,13 +44,22 @@ def build(config, system: str, *, ac: bool, seed: int = 0):
         fully_shard(layer, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
     handle = tide_core.install(model, mode=system, transport="auto") if system != "stock" else None
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=torch.cuda.is_available())
     return model, opt, handle
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
 
 
 def _batch(vocab: int, tokens: int, step: int, rank: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed * 100003 + step * 131 + rank)
-    return torch.randint(0, vocab, (1, tokens + 1), generator=g).cuda()
+    return torch.randint(0, vocab, (1, tokens + 1), generator=g).to(_device())
 
 
 def train_step(model, opt, batch) -> float:
@@ -66,10 +75,10 @@ def timed_steps(model, opt, vocab, tokens, steps, rank, start_step) -> list[floa
     times = []
     for i in range(steps):
         batch = _batch(vocab, tokens, start_step + i, rank)
-        torch.cuda.synchronize()
+        _sync()
         t0 = time.perf_counter()
         train_step(model, opt, batch)
-        torch.cuda.synchronize()
+        _sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return times
 
@@ -77,6 +86,8 @@ def timed_steps(model, opt, vocab, tokens, steps, rank, start_step) -> list[floa
 def profile_step(model, opt, vocab, tokens, rank) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
+    if not torch.cuda.is_available():
+        return {}
     batch = _batch(vocab, tokens, 10_000, rank)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -136,6 +147,9 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
     out = {}
     for tokens in args.tokens:
         timed_steps(model, opt, config.vocab, tokens, 1, rank, 0)  # allocate optimizer state and arena
+        if not torch.cuda.is_available():
+            out[tokens] = {"peak_allocated": 0, "peak_reserved": 0}
+            continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         timed_steps(model, opt, config.vocab, tokens, 2, rank, 1)
@@ -158,7 +172,7 @@ def loss_pass(rank: int, world_size: int, args) -> dict:
     for step in range(args.loss_steps):
         for name, ((model, opt, _), _) in runs.items():
             x, y = next(streams[name])
-            batch = torch.cat([x, y[:, -1:]], dim=1).cuda()
+            batch = torch.cat([x, y[:, -1:]], dim=1).to(_device())
             loss = train_step(model, opt, batch)
             losses[name].append(loss.detach())
     return {name: [float(v) for v in torch.stack(vals).cpu()] for name, vals in losses.items()}

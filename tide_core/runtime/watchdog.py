@@ -9,6 +9,9 @@ the process.
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 import threading
 import time
 import weakref
@@ -17,10 +20,12 @@ from typing import Callable
 
 from tide_core.errors import PeerStallTimeout
 
+log = logging.getLogger("tide")
+
 
 class Watchdog:
     def __init__(self, query: Callable[[object], bool], timeout_s: float, on_stall: Callable[[str], None],
-                 poll_s: float = 0.005):
+                 poll_s: float = 0.005, abort_after_s: float | None = None):
         self._query = query
         self.timeout_s = timeout_s
         self._on_stall = on_stall
@@ -30,6 +35,10 @@ class Watchdog:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self.failure: PeerStallTimeout | None = None
+        # If nobody observes the failure (the main thread is stuck inside a CUDA call the flag
+        # release could not unblock), end the process after this grace period: fail-stop.
+        self.abort_after_s = abort_after_s
+        self.observed = False
 
     def track(self, event, what: str) -> None:
         with self._lock:
@@ -40,6 +49,7 @@ class Watchdog:
 
     def check(self) -> None:
         if self.failure is not None:
+            self.observed = True
             raise self.failure
 
     def wait_all(self, timeout_s: float | None = None) -> None:
@@ -72,7 +82,22 @@ class Watchdog:
                 f"{what} did not complete within {self.timeout_s:g} s: a peer stalled, skipped a signal or "
                 "issued a different call order (TIDE_TIMEOUT_S sets the limit)"
             )
-            self._on_stall(what)
+            log.error("TIDE: %s", self.failure)
+            try:
+                self._on_stall(what)
+            except Exception as exc:  # the release is best effort; the abort below still applies
+                log.error("TIDE: releasing stalled waits failed: %s", exc)
+            if self.abort_after_s is not None:
+                timer = threading.Timer(self.abort_after_s, self._abort_if_unobserved)
+                timer.daemon = True
+                timer.start()
+
+    def _abort_if_unobserved(self) -> None:
+        if not self.observed:
+            sys.stderr.write(f"TIDE fail-stop: {self.failure} (not observed by the training loop within "
+                             f"{self.abort_after_s:g} s; exiting)\n")
+            sys.stderr.flush()
+            os._exit(70)
 
     def stop(self) -> None:
         self._stop.set()

@@ -119,7 +119,8 @@ class CudaTransport(Transport):
         self.n_slots = self.config.chunk_slots
         self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
         self.staging = None
-        self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall)
+        self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall,
+                                 abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
 
     # -- flags -------------------------------------------------------------------------------
     def _flag_offset(self, kind: int, rank: int) -> int:
@@ -326,24 +327,24 @@ class CudaTransport(Transport):
         pushes, sums = descriptors
 
         start = dev.record(dev.current_stream())
-        # Source side: push my rows of every owner into its staging ring.
         dev.wait_event(self.s_push, start)
-        for k in range(len(chunks)):
-            q = base_seq + k
-            if q >= n_slots and not self.faults.get("early_reuse"):
-                dev.wait_flags(self.s_push, [self.local_flag(RS_CREDIT, j) for j in owners], q - n_slots + 1)
-            slot = q % n_slots
-            dev.copy_batch(self.s_push, [self._staging_slot(base, me, slot) + offset for base, offset, _, _ in pushes[k]],
-                           [src for _, _, src, _ in pushes[k]], [n for _, _, _, n in pushes[k]])
-            dev.write_flags(self.s_push, [self.peer_flag(j, RS_ARRIVAL, me) for j in owners], q + 1)
-        pushed = dev.record(self.s_push)
-
-        # Owner side: sum each chunk once every peer's rows arrived, then return the credit.
         dev.wait_event(self.s_sum, start)
         out_ptr = out.data_ptr()
+        # Chunk by chunk, push then sum. The host enqueue order matters: CUDA maps streams onto a
+        # few hardware FIFOs, and a blocked wait stalls everything enqueued after it on that FIFO.
+        # In this order every wait targets work that every rank enqueued earlier (the push of
+        # chunk q waits for the peers' sum of chunk q - n_slots; the sum of chunk q for the
+        # peers' push of chunk q), so progress never depends on how streams alias.
         for k, chunk in enumerate(chunks):
             q = base_seq + k
             slot = q % n_slots
+            # Source side: push my rows of every owner into the owner's staging slot.
+            if q >= n_slots and not self.faults.get("early_reuse"):
+                dev.wait_flags(self.s_push, [self.local_flag(RS_CREDIT, j) for j in owners], q - n_slots + 1)
+            dev.copy_batch(self.s_push, [self._staging_slot(base, me, slot) + offset for base, offset, _, _ in pushes[k]],
+                           [src for _, _, src, _ in pushes[k]], [n for _, _, _, n in pushes[k]])
+            dev.write_flags(self.s_push, [self.peer_flag(j, RS_ARRIVAL, me) for j in owners], q + 1)
+            # Owner side: sum once every peer's rows arrived, then return the slot's credit.
             dev.wait_flags(self.s_sum, [self.local_flag(RS_ARRIVAL, u) for u in peers], q + 1)
             staged = [self._staging_slot(self.staging.ptr, u, slot) for u in order]
             for first, count, segments in sums[k]:
@@ -352,6 +353,7 @@ class CudaTransport(Transport):
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
                 # credit only matters when nothing newer follows it, so the fault drops them from q on
                 dev.write_flags(self.s_sum, [self.peer_flag(u, RS_CREDIT, me) for u in peers], q + 1)
+        pushed = dev.record(self.s_push)
         summed = dev.record(self.s_sum)
         self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")
         self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")

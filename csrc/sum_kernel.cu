@@ -71,40 +71,67 @@ __device__ float element_sum(const SumArgs& a, const SumSegment& seg, int64_t i)
   return __fadd_rn(acc, to_f32<T>(own[local]));
 }
 
+constexpr int kThreads = 512;
+constexpr int kUnroll = 4;  // independent 8-element units per thread per iteration: loads in flight
+
 template <typename T>
-__global__ void __launch_bounds__(256) sum_kernel(const __grid_constant__ SumArgs a) {
+__global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ SumArgs a) {
   const int64_t units = (a.count + 7) / 8;
-  for (int64_t u = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u < units; u += (int64_t)gridDim.x * blockDim.x) {
-    const int64_t i0 = a.first + 8 * u;
-    const int64_t end = a.first + a.count;
-    const SumSegment& seg = a.segments[find_segment(a, i0)];
-    const int64_t local = i0 - seg.offset;
-    const T* own = reinterpret_cast<const T*>(seg.own) + local;
-    const bool whole = i0 + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own) & 15) == 0;
-    if (whole) {
-      float acc[8], v[8];
-      if (a.n_staged == 0) {
-        load8<T>(own, acc);
-      } else {
-        load8<T>(reinterpret_cast<const T*>(a.staged[0]) + i0, acc);
-        for (int s = 1; s < a.n_staged; ++s) {
-          load8<T>(reinterpret_cast<const T*>(a.staged[s]) + i0, v);
+  const int64_t end = a.first + a.count;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t u0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u0 < units; u0 += stride * kUnroll) {
+    int64_t i0[kUnroll];
+    const T* own[kUnroll];
+    bool fast[kUnroll];
 #pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
-        }
-        load8<T>(own, v);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+    for (int j = 0; j < kUnroll; ++j) {
+      const int64_t u = u0 + j * stride;
+      i0[j] = a.first + 8 * u;
+      own[j] = nullptr;
+      fast[j] = false;
+      if (u < units) {
+        const SumSegment& seg = a.segments[find_segment(a, i0[j])];
+        const int64_t local = i0[j] - seg.offset;
+        own[j] = reinterpret_cast<const T*>(seg.own) + local;
+        fast[j] = i0[j] + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own[j]) & 15) == 0;
       }
-      float4* out = reinterpret_cast<float4*>(a.out + i0);
-      float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
-      if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
-      out[0] = make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z), finish(a, acc[3], p0.w));
-      out[1] = make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z), finish(a, acc[7], p1.w));
-    } else {
-      for (int64_t i = i0; i < i0 + 8 && i < end; ++i) {
-        const SumSegment& s = a.segments[find_segment(a, i)];
-        a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
+    }
+    // Whole, aligned units: every source's 16-byte loads for all units are issued before the adds.
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (fast[j]) load8<T>(a.n_staged ? reinterpret_cast<const T*>(a.staged[0]) + i0[j] : own[j], acc[j]);
+    }
+    for (int s = 1; s <= a.n_staged; ++s) {  // staged sources 1..n-1, then the owner's own rows
+      const T* src = s < a.n_staged ? reinterpret_cast<const T*>(a.staged[s]) : nullptr;
+      float v[kUnroll][8];
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (fast[j]) load8<T>(src ? src + i0[j] : own[j], v[j]);
+      }
+#pragma unroll
+      for (int j = 0; j < kUnroll; ++j) {
+        if (fast[j]) {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[j][k] = __fadd_rn(acc[j][k], v[j][k]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      if (fast[j]) {
+        float4* out = reinterpret_cast<float4*>(a.out + i0[j]);
+        float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
+        if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
+        out[0] = make_float4(finish(a, acc[j][0], p0.x), finish(a, acc[j][1], p0.y), finish(a, acc[j][2], p0.z),
+                             finish(a, acc[j][3], p0.w));
+        out[1] = make_float4(finish(a, acc[j][4], p1.x), finish(a, acc[j][5], p1.y), finish(a, acc[j][6], p1.z),
+                             finish(a, acc[j][7], p1.w));
+      } else if (own[j] != nullptr) {  // segment boundary, padding, misalignment or the tail
+        for (int64_t i = i0[j]; i < i0[j] + 8 && i < end; ++i) {
+          const SumSegment& s = a.segments[find_segment(a, i)];
+          a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
+        }
       }
     }
   }
@@ -135,7 +162,7 @@ void launch_sum(uint64_t out, const std::vector<uint64_t>& staged, const std::ve
   a.alpha = alpha;
   a.accumulate = accumulate ? 1 : 0;
   const int64_t units = (count + 7) / 8;
-  const int threads = 256;
+  const int threads = kThreads;
   int blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), (units + threads - 1) / threads));
   cudaStream_t s = as_stream(stream);
   switch (dtype) {

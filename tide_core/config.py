@@ -33,9 +33,11 @@ class TIDEConfig:
     abort_on_stall: bool = True
     #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
     sum_ctas: int = 16
-    #: Reduce-scatter staging chunk in MiB and chunk slots per source peer (bounded staging).
-    chunk_mib: float = 8.0
-    chunk_slots: int = 4
+    #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
+    #: Staging = (L-1) x slots x min(chunk, one peer's rows) bytes; fewer, larger chunks cost
+    #: less host enqueue time, more slots let pushes run further ahead of the sums.
+    chunk_mib: float = 16.0
+    chunk_slots: int = 2
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
     round_width: int = 2

@@ -70,7 +70,7 @@ def _parity_and_trace(rank, world_size):
             opt.step()
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        layout = [n for n in names if "split_with_sizes" in n or "chunk_cat" in n or "CatArrayBatched" in n]
+        layout = [n for n in names if "split_with_sizes" in n or "chunk_cat" in n]  # FSDP2's copy-out and packing
         nccl = [n for n in names if "nccl" in n.lower()]
         memcpy = [n for n in names if "Memcpy" in n or "memcpy" in n]
         return sorted(set(layout)), len(nccl), len(memcpy), len(names)

@@ -79,7 +79,7 @@ def test_emulated_cuda_transport_is_bitwise_equal_to_reference(world_size):
     assert checked == {"ag": 6, "rs": 18}
     assert chunks > 18 * 2  # several chunks per call: the 2-slot ring and its credits were exercised
     assert kernels > chunks  # launches were split (emulated MAX_SEGMENTS = 5)
-    assert staging == world_size * 2 * 4096
+    assert staging == (world_size - 1) * 2 * 4096  # L-1 peers x 2 slots x one 4 KiB chunk
 
 
 def _fault(rank, world_size, tag, fault, faulty_rank):

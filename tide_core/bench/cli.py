@@ -106,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     args.scratch = args.scratch or tempfile.mkdtemp(prefix="tide-bench-")
+    os.makedirs(args.scratch, exist_ok=True)
     commands = ["ag", "rs", "interference", "train"] if args.command == "all" else [args.command]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for command in commands:

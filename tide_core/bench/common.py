@@ -104,6 +104,30 @@ def time_collective(fn, iters: int, warmup: int = 3) -> Timing:
     return Timing(times)
 
 
+def time_back_to_back(fn, calls: int = 10, repeats: int = 5) -> tuple[float, float]:
+    """(GPU ms per call, host enqueue ms per call) with ``calls`` enqueued back to back, so host
+    enqueue overlaps device work as in training, where collectives are issued ahead of use."""
+    on_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    per_call, host = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        if on_cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host.append((time.perf_counter() - t0) * 1e3 / calls)
+        if on_cuda:
+            end.record()
+            end.synchronize()
+            per_call.append(start.elapsed_time(end) / calls)
+        else:
+            per_call.append(host[-1])
+    return statistics.median(per_call), statistics.median(host)
+
+
 def count_kernels(fn) -> tuple[int, int]:
     """(SM kernels, copy records) one call launches, from a CUDA profiler trace."""
     if not torch.cuda.is_available():

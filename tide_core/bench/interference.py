@@ -83,7 +83,9 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
         torch.cuda.synchronize()
         coll_ms = max(s.elapsed_time(e), 1e-3)
         for vname, vfn in victims.items():
-            calls = int(min(2000, max(8, 1.5 * reps * alone[vname] / coll_ms + 4)))
+            calls = torch.tensor([min(2000, max(8, 1.5 * reps * alone[vname] / coll_ms + 4))], device=device)
+            dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank must issue the same number of calls
+            calls = int(calls.item())
             dist.barrier()
             torch.cuda.synchronize()
             side.wait_stream(torch.cuda.current_stream())

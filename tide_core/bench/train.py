@@ -25,7 +25,8 @@ import torch.distributed as dist
 from tide_core.bench.models import MODELS, Transformer
 
 SYSTEMS = ("stock", "in_place", "slot_reuse")
-LAYOUT_KERNELS = ("split_with_sizes", "chunk_cat", "CatArrayBatched", "all_gather_copy_in")
+# FSDP2's layout kernels: copy-out (split_with_sizes_copy) and reduce-scatter packing (chunk_cat).
+LAYOUT_KERNELS = ("split_with_sizes", "chunk_cat")
 
 
 def build(config, system: str, *, ac: bool, seed: int = 0):

@@ -7,10 +7,14 @@ a torch MemPool, so ``torch.cuda.memory_reserved()`` accounts for the arena.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 
 from tide_core.errors import TransportError
+
+log = logging.getLogger("tide")
 
 
 def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
@@ -20,8 +24,20 @@ def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
 
     def allocate(name: str, nbytes: int):
         with torch.cuda.device(device):
-            base = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-            handle = symm_mem.rendezvous(base, group)
+            base = handle = None
+            if hasattr(symm_mem, "get_mem_pool"):
+                try:
+                    # Through torch's caching allocator from the symmetric pool, so that
+                    # torch.cuda.memory_reserved() counts the arena.
+                    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
+                        base = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                    handle = symm_mem.rendezvous(base, group)
+                except Exception as exc:  # symmetric on every rank: all fall back together
+                    log.warning("TIDE: symmetric MemPool allocation failed (%s); using symm_mem.empty", exc)
+                    base = handle = None
+            if handle is None:
+                base = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+                handle = symm_mem.rendezvous(base, group)
         handles.append(handle)
         me = dist.get_rank(group)
         offset = base.data_ptr() - handle.buffer_ptrs[me]

@@ -23,6 +23,8 @@ Multi-node groups go to the reference transport (see docs/multinode.md for the r
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -119,6 +121,8 @@ class CudaTransport(Transport):
         self.n_slots = self.config.chunk_slots
         self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
         self.staging = None
+        self.slot_bytes = 0
+        self._staging_generation = 0
         self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall,
                                  abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
 
@@ -144,9 +148,19 @@ class CudaTransport(Transport):
         """Host-wait for every call issued so far; PeerStallTimeout if a peer does not signal in time."""
         self.watchdog.wait_all(timeout_s)
 
-    @property
+    @functools.cached_property
     def peers(self) -> list[int]:
         return [r for r in range(self.topology.gpus_per_node) if r != self.rank]
+
+    @functools.lru_cache(maxsize=None)
+    def _peer_flags(self, kind: int) -> list[int]:
+        """This rank's word of ``kind`` in every peer's flags."""
+        return [self.peer_flag(j, kind, self.rank) for j in self.peers]
+
+    @functools.lru_cache(maxsize=None)
+    def _local_flags(self, kind: int) -> list[int]:
+        """Every peer's word of ``kind`` in this rank's flags."""
+        return [self.local_flag(kind, j) for j in self.peers]
 
     @property
     def staging_bytes(self) -> int:
@@ -196,15 +210,25 @@ class CudaTransport(Transport):
             raise ValueError(problem)
 
     # -- all-gather ----------------------------------------------------------------------------------
+    @staticmethod
+    def _buffers_key(tensors) -> tuple:
+        return tuple((t.data_ptr(), t.numel(), t.dtype) for t in tensors)
+
     def all_gather(self, layout: GroupLayout, shards, outputs):
-        self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs, self.device),
-                       shards[0].dtype if shards else None)
+        # Full checks (and the cross-rank agreement) run the first time a set of buffers is seen;
+        # repeated calls on the same buffers, FSDP2's steady state, only pay for this key.
+        key = ("ag-desc", layout.signature(), self._buffers_key(shards), self._buffers_key(outputs))
+        if key not in self._descriptors:
+            self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs, self.device),
+                           shards[0].dtype if shards else None)
+        else:
+            self._check_alive()
         call = self.ag_calls
         self.ag_calls += 1
         if self.faults.get("reorder_call") == call and self._deferred is None:
-            self._deferred = (_DeferredWork(), layout, list(shards), list(outputs))
+            self._deferred = (_DeferredWork(), layout, list(shards), list(outputs), key)
             return self._deferred[0]
-        work = self._all_gather(layout, shards, outputs)
+        work = self._all_gather(layout, shards, outputs, key)
         if self._deferred is not None:
             handle, *args = self._deferred
             self._deferred = None
@@ -217,9 +241,8 @@ class CudaTransport(Transport):
             self._plans[key] = allgather_plan(layout, self.topology, self.rank)
         return self._plans[key]
 
-    def _all_gather(self, layout: GroupLayout, shards, outputs) -> CudaWork:
+    def _all_gather(self, layout: GroupLayout, shards, outputs, key) -> CudaWork:
         dev, me = self.dev, self.rank
-        key = ("ag-desc", layout.signature(), tuple(s.data_ptr() for s in shards), tuple(o.data_ptr() for o in outputs))
         descriptors = self._descriptors.get(key)
         if descriptors is None:
             plan = self._ag_plan(layout)
@@ -239,15 +262,15 @@ class CudaTransport(Transport):
         start = dev.record(dev.current_stream())
         peers = self.peers
         dev.wait_event(self.s_ready, start)
-        dev.write_flags(self.s_ready, [self.peer_flag(j, AG_READY, me) for j in peers], e)
+        dev.write_flags(self.s_ready, self._peer_flags(AG_READY), e)
         dev.wait_event(self.s_copy, start)
-        dev.wait_flags(self.s_copy, [self.local_flag(AG_READY, j) for j in peers], e)
+        dev.wait_flags(self.s_copy, self._local_flags(AG_READY), e)
         dev.copy_batch(self.s_copy, dsts, srcs, sizes)
         if e not in self.faults.get("skip_completion", ()):
-            dev.write_flags(self.s_copy, [self.peer_flag(j, AG_DONE, me) for j in peers], e)
+            dev.write_flags(self.s_copy, self._peer_flags(AG_DONE), e)
         copied = dev.record(self.s_copy)
         dev.wait_event(self.s_done, copied)
-        dev.wait_flags(self.s_done, [self.local_flag(AG_DONE, j) for j in peers], e)
+        dev.wait_flags(self.s_done, self._local_flags(AG_DONE), e)
         done = dev.record(self.s_done)
         self.watchdog.track(done, f"rank {me}: all_gather call {e}")
         return CudaWork(self, [done])
@@ -293,32 +316,47 @@ class CudaTransport(Transport):
         self._descriptors[key] = value
         return value
 
-    def _ensure_staging(self) -> None:
-        if self.staging is None:
-            self.staging = self.arena.segment("staging", self.topology.gpus_per_node * self.n_slots * self.chunk_bytes)
+    def _ensure_staging(self, needed_slot_bytes: int) -> None:
+        """Staging holds n_slots chunks for each of the L-1 peers. A chunk is as large as one peer's
+        rows need, capped at chunk_bytes; a later, larger layout gets a new (larger) segment. The
+        old one is kept: calls still in flight may read it. All ranks grow at the same call."""
+        slot_bytes = min(self.chunk_bytes, -(-needed_slot_bytes // 4096) * 4096)
+        if self.staging is not None and slot_bytes <= self.slot_bytes:
+            return
+        self._staging_generation += 1
+        self.slot_bytes = slot_bytes
+        sources = max(1, self.topology.gpus_per_node - 1)
+        self.staging = self.arena.segment(f"staging{self._staging_generation}", sources * self.n_slots * slot_bytes)
 
-    def _staging_slot(self, base: int, source: int, slot: int) -> int:
-        return base + (source * self.n_slots + slot) * self.chunk_bytes
+    def _staging_slot(self, base: int, owner: int, source: int, slot: int) -> int:
+        """Address of ``source``'s slot inside ``owner``'s staging (``base``: the owner's segment)."""
+        index = source if source < owner else source - 1  # owners stage only their L-1 peers
+        return base + (index * self.n_slots + slot) * self.slot_bytes
 
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False):
-        self._prologue("reduce_scatter", layout, lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate, self.device),
-                       grads[0].dtype if grads else None)
+        key = ("rs-desc", layout.signature(), self._staging_generation, self._buffers_key(grads))
+        descriptors = self._descriptors.get(key)
+        if descriptors is None or not isinstance(out, torch.Tensor) or out.numel() != layout.total_shard_numel:
+            self._prologue("reduce_scatter", layout,
+                           lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate, self.device),
+                           grads[0].dtype if grads else None)
+        else:
+            self._check_alive()
         dev, me, peers = self.dev, self.rank, self.peers
-        self._ensure_staging()
         itemsize = grads[0].element_size()
-        chunk_elems = self.chunk_bytes // itemsize // 8 * 8
+        self._ensure_staging(layout.total_shard_numel * itemsize)
+        chunk_elems = self.slot_bytes // itemsize // 8 * 8
         chunks, copies, launches, order = self._rs_plan(layout, chunk_elems)
         base_seq = self.rs_seq
         self.rs_seq += len(chunks)
         n_slots = self.n_slots
-        grad_ptr = [g.data_ptr() for g in grads]
-        owners = peers  # on one node every peer owns its own rows
-        key = ("rs-desc", layout.signature(), chunk_elems, tuple(grad_ptr))
+        key = ("rs-desc", layout.signature(), self._staging_generation, self._buffers_key(grads))
         descriptors = self._descriptors.get(key)
         if descriptors is None:
+            grad_ptr = [g.data_ptr() for g in grads]
             pushes, sums = [], []
             for k, chunk in enumerate(chunks):
-                pushes.append([(self.staging.peer_ptrs[cp.owner], cp.staging_offset * itemsize,
+                pushes.append([(cp.owner, cp.staging_offset * itemsize,
                                 grad_ptr[cp.param] + cp.src_offset * itemsize, cp.length * itemsize) for cp in copies[k]])
                 sums.append([(first, count, [(sg.out_offset - chunk.start, sg.length, sg.valid,
                                               grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segs])
@@ -340,19 +378,20 @@ class CudaTransport(Transport):
             slot = q % n_slots
             # Source side: push my rows of every owner into the owner's staging slot.
             if q >= n_slots and not self.faults.get("early_reuse"):
-                dev.wait_flags(self.s_push, [self.local_flag(RS_CREDIT, j) for j in owners], q - n_slots + 1)
-            dev.copy_batch(self.s_push, [self._staging_slot(base, me, slot) + offset for base, offset, _, _ in pushes[k]],
+                dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
+            dev.copy_batch(self.s_push, [self._staging_slot(self.staging.peer_ptrs[owner], owner, me, slot) + offset
+                                         for owner, offset, _, _ in pushes[k]],
                            [src for _, _, src, _ in pushes[k]], [n for _, _, _, n in pushes[k]])
-            dev.write_flags(self.s_push, [self.peer_flag(j, RS_ARRIVAL, me) for j in owners], q + 1)
+            dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL), q + 1)
             # Owner side: sum once every peer's rows arrived, then return the slot's credit.
-            dev.wait_flags(self.s_sum, [self.local_flag(RS_ARRIVAL, u) for u in peers], q + 1)
-            staged = [self._staging_slot(self.staging.ptr, u, slot) for u in order]
+            dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL), q + 1)
+            staged = [self._staging_slot(self.staging.ptr, me, u, slot) for u in order]
             for first, count, segments in sums[k]:
                 dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged, segments, first, count, float(alpha),
                         bool(accumulate), grads[0].dtype, self.config.sum_ctas)
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
                 # credit only matters when nothing newer follows it, so the fault drops them from q on
-                dev.write_flags(self.s_sum, [self.peer_flag(u, RS_CREDIT, me) for u in peers], q + 1)
+                dev.write_flags(self.s_sum, self._peer_flags(RS_CREDIT), q + 1)
         pushed = dev.record(self.s_push)
         summed = dev.record(self.s_sum)
         self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")

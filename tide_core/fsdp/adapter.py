@@ -86,8 +86,10 @@ class TIDEHandle:
             largest = max(served, key=lambda g: g.layout.total_shard_bytes)
             topo = largest.transport.topology
             for mode in ("stock", self.config.mode):
+                # On one node the staging is the transport's chunk ring, not the multi-node bound.
+                staging = largest.transport.staging_bytes if topo.nodes == 1 and mode != "stock" else None
                 live = backward_live_bytes(mode, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node,
-                                           shard_bytes=largest.layout.total_shard_bytes)
+                                           shard_bytes=largest.layout.total_shard_bytes, staging_bytes=staging)
                 out[f"model_{mode}"] = live.components | {"total": live.total}
             out["largest_group"] = largest.name
         return out

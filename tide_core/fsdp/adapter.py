@@ -76,6 +76,14 @@ class TIDEHandle:
                 total[k] += g.stats[k]
         return total
 
+    def collect_timings(self) -> dict[str, float]:
+        """AG/RS milliseconds since the last call, summed over groups (needs TIDEConfig.profile on CUDA)."""
+        totals = {"ag_ms": 0.0, "rs_ms": 0.0}
+        for g in self.served_groups:
+            for k, v in g.collect_timings().items():
+                totals[k] += v
+        return totals
+
     def memory(self) -> dict:
         """Bytes per component on this GPU: TIDE's arena and staging against the memory model."""
         arena = sum(t.arena.reserved_bytes for t in self.transports.values())

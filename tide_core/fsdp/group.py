@@ -76,6 +76,7 @@ class TideGroup:
         self.slot: int | None = None  # ring slot index, or None for a dedicated segment
         self.live = False
         self.stats = {"all_gathers": 0, "reduce_scatters": 0, "ag_bytes": 0, "rs_bytes": 0, "slot_sources": 0}
+        self.pending_timings: dict[str, list] = {"ag": [], "rs": []}  # (start, end) CUDA events when profiling
         self._device_handle = getattr(torch, self.device.type)
 
     # -- placement -------------------------------------------------------------------------
@@ -165,10 +166,12 @@ class TideGroup:
                 ag_stream.wait_event(self.ring.release_event[self.slot])
             # The transport writes into storages autograd may have saved; FSDP2 preserves the
             # version counter around its own copy-out for the same reason.
+            timing = self._timing_start(ag_stream)
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
                 work = self.transport.all_gather(self.layout, shards, outputs)
                 if work is not None:
                     work.wait()
+            self._timing_end("ag", timing, ag_stream)
             event = ag_stream.record_event()
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
@@ -177,6 +180,31 @@ class TideGroup:
         numels = [[s.numel()] for s in shards]
         return C.AllGatherResult(marker, event, None, [[self.ag_dtype]] * len(shards), numels,
                                  [s.numel() for s in shards])
+
+    def _timing_start(self, stream):
+        if not (self.handle.config.profile and self.device.type == "cuda"):
+            return None
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def _timing_end(self, kind: str, start, stream) -> None:
+        if start is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(stream)
+            self.pending_timings[kind].append((start, end))
+
+    def collect_timings(self) -> dict[str, float]:
+        """Milliseconds spent in this group's collectives since the last call (waits for them)."""
+        totals = {}
+        for kind, pairs in self.pending_timings.items():
+            total = 0.0
+            for start, end in pairs:
+                end.synchronize()
+                total += start.elapsed_time(end)
+            totals[f"{kind}_ms"] = total
+            pairs.clear()
+        return totals
 
     @staticmethod
     def copy_out(all_gather_result) -> None:
@@ -258,9 +286,11 @@ class TideGroup:
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
             out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
+            timing = self._timing_start(rs_stream)
             work = self.transport.reduce_scatter(layout, sources, out, alpha=alpha, accumulate=fused is not None)
             if work is not None:
                 work.wait()
+            self._timing_end("rs", timing, rs_stream)
             rs_event = rs_stream.record_event()
         if slot_source and self.slot is not None:
             self.ring.release_event[self.slot] = rs_event

@@ -1,0 +1,69 @@
+"""``TIDEFabricStrategy``: Fabric's ModelParallelStrategy (FSDP2) with TIDE collectives.
+
+``fabric = Fabric(strategy=TIDEFabricStrategy())`` (or ``strategy="tide_fsdp"`` after importing
+tide_lightning); ``fabric.setup(model)`` shards each transformer block and the root unless a
+``parallelize_fn`` is given, then installs TIDE.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Callable
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
+from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions
+
+
+class TIDEFabricStrategy(ModelParallelStrategy):
+    def __init__(
+        self,
+        parallelize_fn: Callable | None = None,
+        mode: str = "in_place",
+        transport: str = "auto",
+        param_dtype: str | None = "bfloat16",
+        reduce_dtype: str | None = "float32",
+        activation_checkpointing: bool = False,
+        block_classes: list[str] | str | None = None,
+        reshard_after_forward: bool | int = True,
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int | str = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = DEFAULT_TIMEOUT,
+        **tide_options,
+    ) -> None:
+        self.tide = TIDEOptions(mode=mode, transport=transport, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                activation_checkpointing=activation_checkpointing, block_classes=block_classes,
+                                reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
+                                tide_options=tide_options)
+        self._user_parallelize_fn = parallelize_fn
+        super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.tide_handle = None
+
+    @classmethod
+    def register_strategies(cls, registry=STRATEGY_REGISTRY) -> None:
+        registry.register("tide_fsdp", cls, description="FSDP2 with TIDE collectives (In-Place)", override=True)
+        registry.register("tide_fsdp_slot_reuse", cls, description="FSDP2 with TIDE collectives (Slot-Reuse)",
+                          mode="slot_reuse", override=True)
+
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+    def _parallelize(self, module, mesh):
+        if self._user_parallelize_fn is not None:
+            return self._user_parallelize_fn(module, mesh)
+        return self.tide.shard(module, mesh["data_parallel"])
+
+    def setup_module(self, module):
+        import tide_core
+
+        module = super().setup_module(module)
+        self.tide_handle = tide_core.install(module, config=self.tide.config)
+        rank_zero_info(self.tide_handle.report())
+        return module

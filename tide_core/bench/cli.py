@@ -68,12 +68,14 @@ def run_train(args) -> None:
         ns = argparse.Namespace(**vars(args))
         ns.model = model
         ns.layers = args.moe_layers if "moe" in model else args.layers
-        ns.phase = "timing"
-        launch(train.worker, ns)
-        for system in train.SYSTEMS:
-            ns.phase, ns.system = "memory", system
+        if "timing" in args.phases:
+            ns.phase = "timing"
             launch(train.worker, ns)
-        if args.loss_steps and model == args.models[0]:
+        if "memory" in args.phases:
+            for system in train.SYSTEMS:
+                ns.phase, ns.system = "memory", system
+                launch(train.worker, ns)
+        if args.loss_steps and "loss" in args.phases and model == args.models[0]:
             ns.phase = "loss"
             launch(train.worker, ns)
         path = write_train_report(ns)
@@ -98,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="steps per system per round")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on every block")
     p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on real text (e.g. 200)")
+    p.add_argument("--phases", type=lambda s: s.split(","), default=["timing", "memory", "loss"],
+                   help="train phases to run (timing,memory,loss); the report combines what exists in --scratch")
     p.add_argument("--loss-tokens", type=int, default=2048)
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p

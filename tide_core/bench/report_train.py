@@ -48,6 +48,12 @@ def write_train_report(args) -> Path:
     timing = _load(args.scratch, f"{model}-timing.json")
     memory = {s: _load(args.scratch, f"{model}-memory-{s}.json") for s in ("stock", "in_place", "slot_reuse")}
     losses = _load(args.scratch, f"{model}-loss.json")
+    if timing is None:  # a loss-only run
+        text, _ = loss_summary(losses)
+        path = write_result(args.out, f"loss-{model}", f"Loss curves on real text: {model}", text)
+        with open(path, "a") as f:
+            f.write("".join(f"\n![{p.stem}]({p.name})\n" for p in _plots(path, None, memory, losses)))
+        return path
     rows = []
     for tokens, point in timing["points"].items():
         stock = point["stock"]["median_ms"]
@@ -94,7 +100,28 @@ def _plots(md_path: Path, timing, memory, losses) -> list[Path]:
     except ImportError:
         return []
     out = []
-    points = list(timing["points"])
+    if timing is None:
+        points = []
+    else:
+        points = list(timing["points"])
+    if points:
+        out.append(_step_memory_plot(md_path, timing, memory, points, plt))
+    if losses:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for name, values in losses.items():
+            ax.plot(moving_average(values), label=name)
+        ax.set_xlabel("step")
+        ax.set_ylabel("loss (10-step moving average)")
+        ax.legend()
+        fig.tight_layout()
+        path = md_path.with_name(md_path.stem + "-loss.png")
+        fig.savefig(path, dpi=110)
+        out.append(path)
+    plt.close("all")
+    return out
+
+
+def _step_memory_plot(md_path: Path, timing, memory, points, plt) -> Path:
     systems = list(timing["points"][points[0]])
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(systems)
@@ -111,20 +138,7 @@ def _plots(md_path: Path, timing, memory, losses) -> list[Path]:
     fig.tight_layout()
     path = md_path.with_name(md_path.stem + "-step-memory.png")
     fig.savefig(path, dpi=110)
-    out.append(path)
-    if losses:
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, values in losses.items():
-            ax.plot(moving_average(values), label=name)
-        ax.set_xlabel("step")
-        ax.set_ylabel("loss (10-step moving average)")
-        ax.legend()
-        fig.tight_layout()
-        path = md_path.with_name(md_path.stem + "-loss.png")
-        fig.savefig(path, dpi=110)
-        out.append(path)
-    plt.close("all")
-    return out
+    return path
 
 
 if __name__ == "__main__":  # re-render from a scratch directory

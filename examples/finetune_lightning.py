@@ -11,6 +11,7 @@ The only TIDE-specific line is the strategy: ``Trainer(strategy=TIDEFSDPStrategy
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -83,7 +84,13 @@ def run(args, strategy, name: str) -> dict:
     trainer.fit(module)
     if args.save_checkpoint and name == "tide":
         trainer.save_checkpoint(args.save_checkpoint)
-    return module.meter.summary(name)
+    summary = module.meter.summary(name)
+    # Free this run's model and optimizer so a following run's peak memory is its own.
+    del trainer, module
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return summary
 
 
 def main(argv=None) -> int:

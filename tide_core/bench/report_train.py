@@ -58,11 +58,12 @@ def write_train_report(args) -> Path:
     for tokens, point in timing["points"].items():
         stock = point["stock"]["median_ms"]
         for s, r in point.items():
-            mem = (memory.get(s) or {}).get(str(tokens)) or {}
+            mem = (memory.get(s) or {}).get(str(tokens))
             prof = r.get("profile", {})
             rows.append([tokens, s, f"{r['median_ms']:.1f}", f"{r['iqr_ms']:.1f}", r["n"],
                          f"{100 * (1 - r['median_ms'] / stock):+.1f}%" if s != "stock" else "-",
-                         f"{mem.get('peak_allocated', 0) / GiB:.1f}", f"{mem.get('peak_reserved', 0) / GiB:.1f}",
+                         f"{mem['peak_allocated'] / GiB:.1f}" if mem else "n/m",
+                         f"{mem['peak_reserved'] / GiB:.1f}" if mem else "n/m",
                          f"{prof['layout_copy_ms']:.1f}" if prof else "", f"{prof['nccl_kernel_ms']:.1f}" if prof else "",
                          f"{prof['tide_sum_kernel_ms']:.1f}" if prof else "", f"{prof['comm_sm_ms']:.1f}" if prof else ""])
     body = [

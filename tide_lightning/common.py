@@ -39,3 +39,23 @@ class TIDEOptions:
 
 
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+class TIDEStrategyMixin:
+    """What the Trainer and Fabric strategies share: registry names and the data-parallel default."""
+
+    _registry = None  # the Lightning registry the subclass registers with
+
+    @classmethod
+    def register_strategies(cls, registry=None) -> None:
+        registry = registry if registry is not None else cls._registry
+        registry.register("tide_fsdp", cls, description="FSDP2 with TIDE collectives (In-Place)", override=True)
+        registry.register("tide_fsdp_slot_reuse", cls, description="FSDP2 with TIDE collectives (Slot-Reuse)",
+                          mode="slot_reuse", override=True)
+
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's default (data parallel size = number of nodes) shards nothing on
+        # one node; TIDE is FSDP2 data parallelism over every rank.
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()

@@ -13,10 +13,12 @@ from typing import Callable
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 
-from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions
+from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions, TIDEStrategyMixin
 
 
-class TIDEFabricStrategy(ModelParallelStrategy):
+class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
+    _registry = STRATEGY_REGISTRY
+
     def __init__(
         self,
         parallelize_fn: Callable | None = None,
@@ -43,17 +45,6 @@ class TIDEFabricStrategy(ModelParallelStrategy):
                          tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.tide_handle = None
-
-    @classmethod
-    def register_strategies(cls, registry=STRATEGY_REGISTRY) -> None:
-        registry.register("tide_fsdp", cls, description="FSDP2 with TIDE collectives (In-Place)", override=True)
-        registry.register("tide_fsdp_slot_reuse", cls, description="FSDP2 with TIDE collectives (Slot-Reuse)",
-                          mode="slot_reuse", override=True)
-
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
-        super().setup_environment()
 
     def _parallelize(self, module, mesh):
         if self._user_parallelize_fn is not None:

@@ -20,10 +20,12 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions
+from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions, TIDEStrategyMixin
 
 
-class TIDEFSDPStrategy(ModelParallelStrategy):
+class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
+    _registry = StrategyRegistry
+
     def __init__(
         self,
         mode: str = "in_place",
@@ -55,17 +57,6 @@ class TIDEFSDPStrategy(ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self.log_metrics = log_metrics
         self.tide_handle = None
-
-    @classmethod
-    def register_strategies(cls, registry=StrategyRegistry) -> None:
-        registry.register("tide_fsdp", cls, description="FSDP2 with TIDE collectives (In-Place)", override=True)
-        registry.register("tide_fsdp_slot_reuse", cls, description="FSDP2 with TIDE collectives (Slot-Reuse)",
-                          mode="slot_reuse", override=True)
-
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
-        super().setup_environment()
 
     def setup(self, trainer) -> None:
         from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel

@@ -223,23 +223,24 @@ def _checkpoint_round_trip(rank, world_size, path):
 
     import tide_core
 
+    def steps(model, opt, batches_):
+        losses = []
+        for tokens in batches_:
+            loss = loss_fn(model, tokens)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
     model = build(mp=True)
     tide_core.install(model, transport="reference")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = batches(rank, 6)
-    for tokens in data[:3]:
-        loss_fn(model, tokens).backward()
-        opt.step()
-        opt.zero_grad()
+    steps(model, opt, data[:3])
     ema = copy.deepcopy(get_model_state_dict(model))  # EMA snapshot path (needs zero storage offsets)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=path)
-    continued = []
-    for tokens in data[3:]:
-        loss = loss_fn(model, tokens)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        continued.append(loss.item())
+    continued = steps(model, opt, data[3:])
 
     restored = build(mp=True, seed=99)
     tide_core.install(restored, transport="reference")
@@ -247,13 +248,7 @@ def _checkpoint_round_trip(rank, world_size, path):
     state = {"model": get_model_state_dict(restored), "optim": get_optimizer_state_dict(restored, opt2)}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(restored, opt2, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    resumed = []
-    for tokens in data[3:]:
-        loss = loss_fn(restored, tokens)
-        loss.backward()
-        opt2.step()
-        opt2.zero_grad()
-        resumed.append(loss.item())
+    resumed = steps(restored, opt2, data[3:])
     ema_keys = sorted(ema)
     return continued, resumed, max_diff(full_params(model), full_params(restored)), ema_keys
 

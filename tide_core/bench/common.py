@@ -80,52 +80,38 @@ class Timing:
         return q[2] - q[0]
 
 
-def time_collective(fn, iters: int, warmup: int = 3) -> Timing:
-    """Each iteration starts with every rank synchronised (barrier + device sync) and is timed with
-    device events around the call, so skew between ranks is not counted and nothing overlaps."""
+def _timed_calls(fn, calls: int) -> tuple[float, float]:
+    """(device ms, host ms) of ``calls`` back-to-back calls, started with every rank synchronised
+    (barrier + device sync) so skew between ranks is not counted."""
     on_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+    dist.barrier()
+    if on_cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host_ms = (time.perf_counter() - t0) * 1e3
+    if not on_cuda:  # CPU collectives are synchronous: host time is the call's time
+        return host_ms, host_ms
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end), host_ms
+
+
+def time_collective(fn, iters: int, warmup: int = 3) -> Timing:
+    """Latency from idle: every call is timed alone (host enqueue included)."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        if on_cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return Timing(times)
+    return Timing([_timed_calls(fn, 1)[0] for _ in range(iters)])
 
 
 def time_back_to_back(fn, calls: int = 10, repeats: int = 5) -> tuple[float, float]:
-    """(GPU ms per call, host enqueue ms per call) with ``calls`` enqueued back to back, so host
+    """(device ms per call, host enqueue ms per call) with ``calls`` enqueued back to back, so host
     enqueue overlaps device work as in training, where collectives are issued ahead of use."""
-    on_cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
-    per_call, host = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        if on_cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host.append((time.perf_counter() - t0) * 1e3 / calls)
-        if on_cuda:
-            end.record()
-            end.synchronize()
-            per_call.append(start.elapsed_time(end) / calls)
-        else:
-            per_call.append(host[-1])
-    return statistics.median(per_call), statistics.median(host)
+    runs = [_timed_calls(fn, calls) for _ in range(repeats)]
+    return statistics.median(d for d, _ in runs) / calls, statistics.median(h for _, h in runs) / calls
 
 
 def count_kernels(fn) -> tuple[int, int]:

@@ -42,23 +42,17 @@ class ModelShapes:
         return total
 
 
-def llama(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int, vocab: int) -> ModelShapes:
-    head_dim = hidden // heads
-    block = GroupShapes(
-        "block",
-        layers,
-        (
-            ("attention_norm", (hidden,)),
-            ("wq", (heads * head_dim, hidden)),
-            ("wk", (kv_heads * head_dim, hidden)),
-            ("wv", (kv_heads * head_dim, hidden)),
-            ("wo", (hidden, heads * head_dim)),
-            ("ffn_norm", (hidden,)),
-            ("w1", (intermediate, hidden)),
-            ("w3", (intermediate, hidden)),
-            ("w2", (hidden, intermediate)),
-        ),
+def _attention(hidden: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
+    return (
+        ("attention_norm", (hidden,)),
+        ("wq", (heads * head_dim, hidden)),
+        ("wk", (kv_heads * head_dim, hidden)),
+        ("wv", (kv_heads * head_dim, hidden)),
+        ("wo", (hidden, heads * head_dim)),
     )
+
+
+def _lm(name: str, block: "GroupShapes", hidden: int, vocab: int) -> "ModelShapes":
     return ModelShapes(
         name,
         (
@@ -69,17 +63,28 @@ def llama(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: in
     )
 
 
+def llama(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int, vocab: int) -> ModelShapes:
+    block = GroupShapes(
+        "block",
+        layers,
+        _attention(hidden, heads, kv_heads, hidden // heads)
+        + (
+            ("ffn_norm", (hidden,)),
+            ("w1", (intermediate, hidden)),
+            ("w3", (intermediate, hidden)),
+            ("w2", (hidden, intermediate)),
+        ),
+    )
+    return _lm(name, block, hidden, vocab)
+
+
 def qwen3_moe(name: str, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
               moe_intermediate: int, experts: int, vocab: int) -> ModelShapes:
     block = GroupShapes(
         "block",
         layers,
-        (
-            ("attention_norm", (hidden,)),
-            ("wq", (heads * head_dim, hidden)),
-            ("wk", (kv_heads * head_dim, hidden)),
-            ("wv", (kv_heads * head_dim, hidden)),
-            ("wo", (hidden, heads * head_dim)),
+        _attention(hidden, heads, kv_heads, head_dim)
+        + (
             ("q_norm", (head_dim,)),
             ("k_norm", (head_dim,)),
             ("ffn_norm", (hidden,)),
@@ -89,14 +94,7 @@ def qwen3_moe(name: str, *, hidden: int, layers: int, heads: int, kv_heads: int,
             ("experts.w2", (experts, hidden, moe_intermediate)),
         ),
     )
-    return ModelShapes(
-        name,
-        (
-            GroupShapes("embed", 1, (("tok_embeddings", (vocab, hidden)),)),
-            block,
-            GroupShapes("final", 1, (("norm", (hidden,)), ("output", (vocab, hidden)))),
-        ),
-    )
+    return _lm(name, block, hidden, vocab)
 
 
 def wan_dit(name: str, *, dim: int, ffn_dim: int, layers: int, text_dim: int, freq_dim: int,

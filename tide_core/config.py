@@ -1,6 +1,6 @@
 """TIDE's knobs: one dataclass, each field overridable by a ``TIDE_<FIELD>`` environment variable.
 
-Precedence: explicit arguments > ``TIDEConfig`` passed in > environment > defaults.
+Precedence: explicit arguments > a ``TIDEConfig`` passed in (used as is) > environment > defaults.
 """
 
 from __future__ import annotations
@@ -77,12 +77,13 @@ class TIDEConfig:
 
     @classmethod
     def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":
-        """``base`` (or defaults), then ``TIDE_*`` variables, then ``overrides`` that are not None."""
+        """``overrides`` that are not None, else ``base`` if given (an explicit config is used as is),
+        else the ``TIDE_*`` variables, else the defaults."""
         environ = os.environ if environ is None else environ
         values = dataclasses.asdict(base) if base is not None else {}
         for f in fields(cls):
             key = f"TIDE_{f.name.upper()}"
-            if key in environ and (base is None or getattr(base, f.name) == f.default):
+            if base is None and key in environ:
                 values[f.name] = _parse(f, environ[key], key)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}

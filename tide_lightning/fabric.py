@@ -22,8 +22,8 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
     def __init__(
         self,
         parallelize_fn: Callable | None = None,
-        mode: str = "in_place",
-        transport: str = "auto",
+        mode: str | None = None,
+        transport: str | None = None,
         param_dtype: str | None = "bfloat16",
         reduce_dtype: str | None = "float32",
         activation_checkpointing: bool = False,

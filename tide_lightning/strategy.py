@@ -28,8 +28,8 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
 
     def __init__(
         self,
-        mode: str = "in_place",
-        transport: str = "auto",
+        mode: str | None = None,
+        transport: str | None = None,
         param_dtype: str | None = "bfloat16",
         reduce_dtype: str | None = "float32",
         activation_checkpointing: bool = False,
@@ -43,7 +43,8 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **tide_options,
     ) -> None:
-        """mode/transport: TIDE's (see tide_core.TIDEConfig); param_dtype/reduce_dtype,
+        """mode/transport: TIDE's (see tide_core.TIDEConfig; None: TIDE_MODE/TIDE_TRANSPORT or the
+        defaults in_place/auto); param_dtype/reduce_dtype,
         activation_checkpointing, block_classes, reshard_after_forward: used only when the
         strategy shards the model itself; tide_options: any other TIDEConfig field."""
         if log_metrics and "profile" not in tide_options:

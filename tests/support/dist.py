@@ -66,7 +66,7 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 120, backend: str = "gloo",
-                    env: dict | None = None, init_process_group: bool = True) -> list:
+                    env: dict | None = None) -> list:
     ctx = _context()
     port = free_port()
     results = ctx.Queue()

@@ -110,7 +110,8 @@ class TIDEHandle:
         ]
         for t in self.transports.values():
             topo = t.topology
-            lines.append(f"  transport: {t.name} ({topo.nodes} node(s) x {topo.gpus_per_node} GPU(s))")
+            device = "GPU(s)" if t.device.type == "cuda" else f"{t.device.type} process(es)"
+            lines.append(f"  transport: {t.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {device})")
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
             status = f"TIDE, {e.served.placement}" if e.served else f"stock: {e.reason}"

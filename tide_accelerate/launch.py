@@ -1,0 +1,153 @@
+"""``tide-accelerate launch``: ``accelerate launch`` with a ``tide:`` section in the config YAML.
+
+Accelerate rejects unknown top-level keys in its config file, and exports only a fixed list of
+``FSDP_*`` variables to the workers (extra ``fsdp_config`` keys are dropped). So the ``tide:``
+section is taken out here and handed over as ``TIDE_*`` variables, which ``accelerate launch``
+passes on untouched; the rest of the YAML goes to ``accelerate launch`` as a config file of its
+own, and the script runs under ``tide_accelerate.run``, which enables TIDE before it starts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tempfile
+from dataclasses import fields
+from pathlib import Path
+
+import yaml
+from accelerate.commands.config import default_config_file
+from accelerate.commands.launch import launch_command_parser
+
+from tide_core.config import TIDEConfig
+
+USAGE = """\
+usage: tide-accelerate launch [--config_file CONFIG.yaml] [accelerate launch options] script.py [script args]
+       tide-accelerate launch [...] -m package.module [module args]
+
+Runs `accelerate launch` with TIDE serving the FSDP2 model that Accelerator.prepare shards. CONFIG.yaml
+is an Accelerate config (default: Accelerate's default config file) that may hold a `tide:` section
+with TIDEConfig fields, e.g.
+
+  tide:
+    mode: in_place        # in_place | slot_reuse
+    transport: auto       # auto | reference | cuda
+
+Each becomes a TIDE_<FIELD> environment variable (replacing one already set). See docs/accelerate.md.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["launch"]:
+        print(USAGE, file=sys.stderr)
+        return 2
+    if argv[1:2] in (["-h"], ["--help"]):
+        print(USAGE + "\naccelerate launch options:")
+        launch_command_parser().print_help()
+        return 0
+    try:
+        command, env = build_command(argv[1:])
+    except (OSError, ValueError) as exc:
+        print(f"tide-accelerate: error: {exc}", file=sys.stderr)
+        return 2
+    os.execve(command[0], command, env)
+
+
+def build_command(argv: list[str], environ: dict | None = None) -> tuple[list[str], dict]:
+    """The ``accelerate launch`` command line and environment for ``tide-accelerate launch ARGV``."""
+    # Accelerate's own parser tells its options from the script and the script's arguments.
+    parsed = launch_command_parser().parse_args(argv)
+    if parsed.no_python:
+        raise ValueError("--no_python cannot be used: TIDE is enabled inside the Python training process")
+    script_at = len(argv) - len(parsed.training_script_args) - 1
+    options = _without_config_file(argv[:script_at])
+
+    env = dict(os.environ if environ is None else environ)
+    config_file = parsed.config_file
+    if config_file is None and os.path.isfile(default_config_file):
+        config_file = default_config_file  # what accelerate launch would read
+    if config_file is not None:
+        config, tide = read_config(config_file)
+        env.update(tide_environment(tide, config_file))
+        options = ["--config_file", write_accelerate_config(config, config_file)] + options
+        _warn_unless_fsdp2(config, config_file)
+
+    # The user's -m (if any) stays among the options, where accelerate launch accepts it, and is
+    # repeated for tide_accelerate.run, which then runs the target as a module.
+    target = (["-m"] if parsed.module else []) + [parsed.training_script, *parsed.training_script_args]
+    command = [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "tide_accelerate.run", *target]
+    return command, env
+
+
+def read_config(path: str) -> tuple[dict, dict]:
+    """The Accelerate part of the config file and its ``tide:`` section (keys checked)."""
+    with open(path, encoding="utf-8") as f:
+        config = yaml.safe_load(f) or {}
+    if not isinstance(config, dict):
+        raise ValueError(f"{path}: expected a mapping of Accelerate config keys, got {type(config).__name__}")
+    tide = config.pop("tide", None) or {}
+    if not isinstance(tide, dict):
+        raise ValueError(f"{path}: the tide: section must be a mapping of TIDE options, got {tide!r}")
+    allowed = [f.name for f in fields(TIDEConfig)]
+    for key in tide:
+        if key not in allowed:
+            raise ValueError(f"{path}: unknown key {key!r} in the tide: section; allowed: {', '.join(allowed)}")
+    return config, tide
+
+
+def tide_environment(tide: dict, path: str) -> dict:
+    """``TIDE_<FIELD>`` variables in the form ``TIDEConfig.from_env`` parses, validated."""
+    env = {}
+    for key, value in tide.items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif value is None:
+            text = "none"
+        else:
+            text = str(value)
+        env[f"TIDE_{key.upper()}"] = text
+    try:
+        # What every worker will do with exactly these strings: a bad value fails here, naming the
+        # option (mode/transport errors also list the allowed values).
+        TIDEConfig.from_env(environ=env)
+    except ValueError as exc:
+        raise ValueError(f"{path}: tide: {exc}") from None
+    return env
+
+
+def write_accelerate_config(config: dict, source: str) -> str:
+    """Write ``config`` where ``accelerate launch`` can read it; returns the path.
+
+    ``main`` replaces itself with ``accelerate launch``, so nothing is left to delete the file: it is
+    named after its content and reused by later launches instead of piling up."""
+    text = yaml.safe_dump(config, sort_keys=False)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
+    folder = Path(tempfile.gettempdir()) / "tide-accelerate"
+    folder.mkdir(exist_ok=True)
+    path = folder / f"{Path(source).stem}-{digest}.yaml"
+    if not path.exists():
+        partial = folder / f".{path.name}.{os.getpid()}"
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)  # concurrent launches see the whole file or none
+    return str(path)
+
+
+def _without_config_file(options: list[str]) -> list[str]:
+    out, skip = [], False
+    for token in options:
+        if skip:
+            skip = False
+        elif token in ("--config_file", "--config-file"):
+            skip = True
+        elif not token.startswith(("--config_file=", "--config-file=")):
+            out.append(token)
+    return out
+
+
+def _warn_unless_fsdp2(config: dict, path: str) -> None:
+    version = (config.get("fsdp_config") or {}).get("fsdp_version")
+    if config.get("distributed_type") != "FSDP" or str(version) != "2":
+        print(f"tide-accelerate: warning: {path} does not ask for FSDP2 (distributed_type: FSDP and "
+              f"fsdp_config.fsdp_version: 2), and TIDE serves FSDP2 only", file=sys.stderr)

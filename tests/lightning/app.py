@@ -96,9 +96,14 @@ def trainer_run(args) -> dict:
     if args.strategy != "stock" and args.auto_wrap:
         strategy = tide_lightning.TIDEFSDPStrategy(param_dtype=None, reduce_dtype=None, block_classes="Block",
                                                    mode="slot_reuse" if "slot" in args.strategy else "in_place")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+    logger = False
+    if args.csv:
+        from lightning.pytorch.loggers import CSVLogger
+
+        logger = CSVLogger(args.csv, name="run", version=0)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=logger,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False)
+                        use_distributed_sampler=False, log_every_n_steps=1)
     trainer.fit(module, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
@@ -149,6 +154,7 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save", default=None)
     p.add_argument("--resume", default=None)
+    p.add_argument("--csv", default=None, help="log with a CSVLogger into this directory")
     args = p.parse_args()
     result = fabric_run(args) if args.fabric else trainer_run(args)
     if int(os.environ.get("LOCAL_RANK", "0")) == 0:

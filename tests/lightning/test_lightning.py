@@ -29,6 +29,18 @@ def test_trainer_fit_with_registered_strategy_matches_stock():
     assert tide["losses"] == pytest.approx(stock["losses"], abs=1e-6)
 
 
+def test_metrics_callback_logs_tide_collectives_per_step(tmp_path):
+    import csv
+
+    run_app("--strategy", "tide_fsdp", "--steps", "3", "--csv", str(tmp_path))
+    rows = [r for r in csv.DictReader(open(tmp_path / "run" / "version_0" / "metrics.csv")) if r.get("tide/ag_gb")]
+    assert len(rows) == 3
+    for r in rows:
+        # 4 groups: forward all-gathers, backward re-gathers of the 3 blocks, 4 reduce-scatters per step
+        assert float(r["tide/all_gathers"]) == 7 and float(r["tide/reduce_scatters"]) == 4
+        assert float(r["tide/ag_gb"]) > 0 and float(r["tide/rs_gb"]) > 0 and float(r["tide/step_s"]) > 0
+
+
 def test_slot_reuse_and_auto_wrap_without_configure_model():
     stock = run_app("--strategy", "stock")
     tide = run_app("--strategy", "tide_fsdp_slot_reuse", "--auto-wrap")

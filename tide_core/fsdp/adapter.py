@@ -290,9 +290,9 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     config = TIDEConfig.from_env(config, mode=mode, transport=transport, **options)
     if not dist.is_initialized():
         raise TIDEError("tide_core.install needs torch.distributed to be initialized (it is collective)")
-    found = _fsdp_groups(model)
     if not any(_is_fsdp(m) for m in model.modules()):
         raise TIDEError("model has no FSDP2 module: call fully_shard(...) before tide_core.install(model)")
+    found = _fsdp_groups(model)
     internals, unsupported = compat.probe()
 
     hosts: list = [None] * dist.get_world_size()

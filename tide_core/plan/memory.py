@@ -104,7 +104,7 @@ def backward_live_bytes(
         staging_bytes = int(round(blocks * 2 * shard_bytes))
     components = {"ring_slots": 2 * NS, "receive_stage": stage, "rs_staging": staging_bytes}
     if mode == "in_place":
-        components["previous_gradients_bf16"] = NS
+        components["previous_gradients"] = NS
     return LiveBytes(mode, components)
 
 

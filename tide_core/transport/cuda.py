@@ -28,7 +28,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from tide_core.errors import PeerStallTimeout, TransportError
+from tide_core.errors import TransportError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, chunk_segments, level1_copies, level1_order
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
@@ -399,7 +399,6 @@ class CudaTransport(Transport):
         return CudaWork(self, [pushed, summed])
 
     def close(self) -> None:
+        """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""
         self.watchdog.stop()
 
-
-__all__ = ["CudaTransport", "CudaWork", "PeerStallTimeout"]

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from tide_core.bench.collectives import MiB, _all_gather, _reduce_scatter, _stock_all_gather, _stock_reduce_scatter, bench_shapes
-from tide_core.bench.common import markdown_table
+from tide_core.bench.common import markdown_table, time_collective
 from tide_core.plan import GroupLayout
 
 
@@ -73,15 +73,10 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
     side = torch.cuda.Stream(device=device)
     rows = []
     for cname, cfn in collectives.items():
-        # one collective's duration, to enqueue enough back-to-back calls to cover the victims
-        dist.barrier()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        cfn()
-        e.record()
-        torch.cuda.synchronize()
-        coll_ms = max(s.elapsed_time(e), 1e-3)
+        # one warm collective's duration, to enqueue enough back-to-back calls to cover the victims
+        for _ in range(3):
+            cfn()
+        coll_ms = max(time_collective(cfn, 5, warmup=0).median, 1e-3)
         for vname, vfn in victims.items():
             calls = torch.tensor([min(2000, max(8, 1.5 * reps * alone[vname] / coll_ms + 4))], device=device)
             dist.all_reduce(calls, op=dist.ReduceOp.MAX)  # every rank must issue the same number of calls

@@ -15,7 +15,6 @@ import sys
 import tempfile
 
 import torch
-import torch.distributed as dist
 
 from tide_core.bench import collectives, interference
 from tide_core.bench.common import launch, write_result
@@ -26,8 +25,9 @@ def _transport(world_size: int):
     from tide_core.plan import Topology
     from tide_core.transport import make_transport
 
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return make_transport("auto", Topology(1, world_size), None, device=device, config=TIDEConfig.from_env())
+    from tide_core.runtime.groups import group_device
+
+    return make_transport("auto", Topology(1, world_size), None, device=group_device(), config=TIDEConfig.from_env())
 
 
 def _collectives_worker(rank, world_size, args):

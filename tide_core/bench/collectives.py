@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from tide_core.bench.common import Timing, count_kernels, markdown_table, time_back_to_back, time_collective
-from tide_core.plan import GroupLayout, Topology
+from tide_core.plan import GroupLayout
 
 MiB = 1 << 20
 

@@ -120,7 +120,7 @@ class TIDEHandle:
         lines.append(f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])}, "
                      f"transport staging {fmt_bytes(mem['transport_staging'])}")
         if "largest_group" in mem:
-            for key in (f"model_stock", f"model_{self.config.mode}"):
+            for key in ("model_stock", f"model_{self.config.mode}"):
                 parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem[key].items())
                 lines.append(f"  model ({key[6:]}, largest group {mem['largest_group']}): {parts}")
         return "\n".join(lines)

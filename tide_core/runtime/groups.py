@@ -99,7 +99,8 @@ def digest(obj) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") >> 1
 
 
-def _device_for(group: dist.ProcessGroup) -> torch.device:
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device a process group's collectives use: the current CUDA device for NCCL, else CPU."""
     backend = dist.get_backend(group)
     if "nccl" in str(backend) and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
@@ -113,7 +114,7 @@ def check_agreement(description: dict, group: dist.ProcessGroup | None, what: st
     exchanged when the digests differ, to find and name the first difference.
     """
     group = group if group is not None else dist.group.WORLD
-    mine = torch.tensor([digest(sorted(description.items()))], dtype=torch.int64, device=_device_for(group))
+    mine = torch.tensor([digest(sorted(description.items()))], dtype=torch.int64, device=group_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     dist.all_gather(everyone, mine, group=group)
     values = [int(t.item()) for t in everyone]

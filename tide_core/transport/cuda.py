@@ -260,7 +260,6 @@ class CudaTransport(Transport):
         e = self.ag_epoch
 
         start = dev.record(dev.current_stream())
-        peers = self.peers
         dev.wait_event(self.s_ready, start)
         dev.write_flags(self.s_ready, self._peer_flags(AG_READY), e)
         dev.wait_event(self.s_copy, start)
@@ -342,7 +341,7 @@ class CudaTransport(Transport):
                            grads[0].dtype if grads else None)
         else:
             self._check_alive()
-        dev, me, peers = self.dev, self.rank, self.peers
+        dev, me = self.dev, self.rank
         itemsize = grads[0].element_size()
         self._ensure_staging(layout.total_shard_numel * itemsize)
         chunk_elems = self.slot_bytes // itemsize // 8 * 8

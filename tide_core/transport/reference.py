@@ -20,7 +20,7 @@ from tide_core.errors import RankMismatchError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, latin_square_plan, level1_order
 from tide_core.plan.allgather import StageCopy
 from tide_core.runtime.arena import Arena, plain_allocator
-from tide_core.runtime.groups import check_agreement, exchange, topology_groups
+from tide_core.runtime.groups import check_agreement, exchange, group_device, topology_groups
 from tide_core.transport.base import (
     CompletedWork,
     Transport,
@@ -52,10 +52,7 @@ class ReferenceTransport(Transport):
         # turns a rank that passes different shapes into a named error instead of a hang.
         self.validate = validate
         self._ag_plans: dict = {}
-        if device is None:
-            on_gpu = "nccl" in str(dist.get_backend(self.groups.group)) and torch.cuda.is_available()
-            device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else group_device(self.groups.group)
         self.arena = Arena(plain_allocator(self.device))
 
     # -- helpers ---------------------------------------------------------------------------
@@ -107,7 +104,7 @@ class ReferenceTransport(Transport):
         self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs),
                        getattr(shards[0], "dtype", None) if shards else None)
         topo, me = self.topology, self.groups.rank
-        n, M, L = self.groups.node, topo.nodes, topo.gpus_per_node
+        n, M = self.groups.node, topo.nodes
         flat_out = [o.view(-1) for o in outputs]
 
         def rows(p: int, rank: int) -> torch.Tensor:

@@ -7,6 +7,8 @@
 
 #include "common.h"
 #include "copy_engine.h"
+#include "copy_kernel.h"
+#include "program.h"
 #include "signals.h"
 #include "sum_kernel.h"
 
@@ -16,14 +18,24 @@ namespace {
 
 using SegmentTuple = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
 
-void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
-                   int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, uint64_t stream) {
+tide::SumLaunch sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
+                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas) {
   std::vector<tide::SumSegment> segs;
   segs.reserve(segments.size());
   for (const auto& s : segments) {
     segs.push_back(tide::SumSegment{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)});
   }
-  tide::launch_sum(out, staged, segs, first, count, alpha, accumulate, dtype, ctas, stream);
+  return tide::make_sum_launch(out, staged, segs, first, count, alpha, accumulate, dtype, ctas);
+}
+
+void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
+                   int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, uint64_t stream) {
+  tide::launch_sum(sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas), stream);
+}
+
+void copy_kernel_py(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
+                    const std::vector<uint64_t>& sizes, int ctas, uint64_t stream) {
+  for (const auto& args : tide::make_copy_args(dsts, srcs, sizes)) tide::launch_copy(args, ctas, stream);
 }
 
 int runtime_version() {
@@ -57,6 +69,37 @@ PYBIND11_MODULE(_C, m) {
   m.def("launch_sum", &launch_sum_py, py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
         py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def("copy_kernel", &copy_kernel_py, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("ctas"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Same-GPU copies of many segments in one kernel launch per 96 segments.");
+  m.attr("CALLER_STREAM") = tide::kCallerStream;
+  py::class_<tide::StreamProgram>(m, "StreamProgram",
+                                  "Device work recorded once, replayed per call with flag values relative to a base.")
+      .def(py::init<int>(), py::arg("num_events"))
+      .def("record", &tide::StreamProgram::record, py::arg("stream"), py::arg("event"))
+      .def("wait_event", &tide::StreamProgram::wait_event, py::arg("stream"), py::arg("event"))
+      .def("write_flags", &tide::StreamProgram::write_flags, py::arg("stream"), py::arg("addresses"),
+           py::arg("value_offset"))
+      .def("wait_flags", &tide::StreamProgram::wait_flags, py::arg("stream"), py::arg("addresses"),
+           py::arg("value_offset"))
+      .def("copy_batch", &tide::StreamProgram::copy_batch, py::arg("stream"), py::arg("dsts"), py::arg("srcs"),
+           py::arg("sizes"))
+      .def("copy_2d", &tide::StreamProgram::copy_2d, py::arg("stream"), py::arg("dst"), py::arg("dpitch"),
+           py::arg("src"), py::arg("spitch"), py::arg("width"), py::arg("height"))
+      .def("copy_kernel", &tide::StreamProgram::copy_kernel, py::arg("stream"), py::arg("dsts"), py::arg("srcs"),
+           py::arg("sizes"), py::arg("ctas"))
+      .def("sum", [](tide::StreamProgram& p, uint64_t stream, uint64_t out, const std::vector<uint64_t>& staged,
+                     const std::vector<SegmentTuple>& segments, int64_t first, int64_t count, float alpha,
+                     bool accumulate, int dtype, int ctas) {
+             p.sum(stream, sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas));
+           })
+      .def("set_outputs", &tide::StreamProgram::set_outputs, py::arg("events"), py::arg("ring"))
+      .def("replay", &tide::StreamProgram::replay, py::arg("caller_stream"), py::arg("base"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("__len__", &tide::StreamProgram::size);
+  m.def("event_query", &tide::event_query, py::arg("event"), py::call_guard<py::gil_scoped_release>());
+  m.def("stream_wait_event", &tide::stream_wait_event, py::arg("stream"), py::arg("event"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("runtime_version", &runtime_version);
   m.def("driver_version", &driver_version);
 }

@@ -7,18 +7,6 @@
 namespace tide {
 namespace {
 
-struct SumArgs {
-  float* out;
-  const void* staged[kMaxSources];
-  int n_staged;
-  int n_segments;
-  int64_t first;  // first element (chunk-relative, multiple of 8) this launch covers
-  int64_t count;  // elements this launch covers
-  SumSegment segments[kMaxSegments];
-  float alpha;
-  int accumulate;
-};
-
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
 template <>
@@ -137,18 +125,102 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ S
   }
 }
 
+// 16-bit gradients with a compile-time number of staged sources: every source's loads for U units
+// are issued before any add, so each thread keeps U*(NS+1) 16-byte loads in flight (the generic
+// kernel above keeps U). The association order is the generic kernel's.
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = to_f32<T>(e[i]);
+}
+
+template <typename T, int NS, int U>
+__global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constant__ SumArgs a) {
+  static_assert(sizeof(T) == 2, "the fast kernel reads 16-bit gradients");
+  const int64_t units = (a.count + 7) / 8;
+  const int64_t end = a.first + a.count;
+  const int64_t stride = (int64_t)gridDim.x * blockDim.x;
+  for (int64_t u0 = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; u0 < units; u0 += stride * U) {
+    int64_t i0[U];
+    const T* own[U];
+    bool fast[U];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      const int64_t u = u0 + j * stride;
+      i0[j] = a.first + 8 * u;
+      own[j] = nullptr;
+      fast[j] = false;
+      if (u < units) {
+        const SumSegment& seg = a.segments[find_segment(a, i0[j])];
+        const int64_t local = i0[j] - seg.offset;
+        own[j] = reinterpret_cast<const T*>(seg.own) + local;
+        fast[j] = i0[j] + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own[j]) & 15) == 0;
+      }
+    }
+    uint4 raw[U][NS + 1];
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (fast[j]) {
+#pragma unroll
+        for (int s = 0; s < NS; ++s) raw[j][s] = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.staged[s]) + i0[j]));
+        raw[j][NS] = __ldcs(reinterpret_cast<const uint4*>(own[j]));
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < U; ++j) {
+      if (fast[j]) {
+        float acc[8], v[8];
+        unpack8<T>(raw[j][0], acc);
+#pragma unroll
+        for (int s = 1; s <= NS; ++s) {
+          unpack8<T>(raw[j][s], v);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] = __fadd_rn(acc[k], v[k]);
+        }
+        float4* out = reinterpret_cast<float4*>(a.out + i0[j]);
+        float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
+        if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
+        __stcs(out, make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z),
+                                finish(a, acc[3], p0.w)));
+        __stcs(out + 1, make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z),
+                                    finish(a, acc[7], p1.w)));
+      } else if (own[j] != nullptr) {
+        for (int64_t i = i0[j]; i < i0[j] + 8 && i < end; ++i) {
+          const SumSegment& s = a.segments[find_segment(a, i)];
+          a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+bool launch_fast(const SumArgs& a, int blocks, cudaStream_t s) {
+  switch (a.n_staged) {
+    case 1: sum_fast_kernel<T, 1, 8><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 2: sum_fast_kernel<T, 2, 4><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 3: sum_fast_kernel<T, 3, 4><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 4: sum_fast_kernel<T, 4, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 5: sum_fast_kernel<T, 5, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 6: sum_fast_kernel<T, 6, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 7: sum_fast_kernel<T, 7, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    default: return false;
+  }
+}
+
 }  // namespace
 
-void launch_sum(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
-                int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
-                uint64_t stream) {
+SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
+                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas) {
   TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
   TIDE_CHECK(!segments.empty() && segments.size() <= static_cast<size_t>(kMaxSegments),
              "launch_sum: segment count must be in [1, " + std::to_string(kMaxSegments) + "]");
   TIDE_CHECK(first % 8 == 0, "launch_sum: first element must be a multiple of 8");
   TIDE_CHECK((out & 15) == 0, "launch_sum: out must be 16-byte aligned");
-  if (count <= 0) return;
-  SumArgs a = {};
+  TIDE_CHECK(dtype >= 0 && dtype <= 2, "launch_sum: dtype must be 0 (bf16), 1 (fp16) or 2 (fp32)");
+  SumLaunch l = {};
+  SumArgs& a = l.args;
   a.out = reinterpret_cast<float*>(out);
   for (size_t s = 0; s < staged.size(); ++s) {
     TIDE_CHECK((staged[s] & 15) == 0, "launch_sum: staged chunks must be 16-byte aligned");
@@ -161,15 +233,20 @@ void launch_sum(uint64_t out, const std::vector<uint64_t>& staged, const std::ve
   a.count = count;
   a.alpha = alpha;
   a.accumulate = accumulate ? 1 : 0;
-  const int64_t units = (count + 7) / 8;
-  const int threads = kThreads;
-  int blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), (units + threads - 1) / threads));
+  const int64_t units = (std::max<int64_t>(count, 0) + 7) / 8;
+  l.blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), std::max<int64_t>(1, (units + kThreads - 1) / kThreads)));
+  l.dtype = dtype;
+  return l;
+}
+
+void launch_sum(const SumLaunch& l, uint64_t stream) {
+  if (l.args.count <= 0) return;
   cudaStream_t s = as_stream(stream);
-  switch (dtype) {
-    case 0: sum_kernel<__nv_bfloat16><<<blocks, threads, 0, s>>>(a); break;
-    case 1: sum_kernel<__half><<<blocks, threads, 0, s>>>(a); break;
-    case 2: sum_kernel<float><<<blocks, threads, 0, s>>>(a); break;
-    default: fail("launch_sum: dtype must be 0 (bf16), 1 (fp16) or 2 (fp32)", __FILE__, __LINE__);
+  const SumArgs& a = l.args;
+  switch (l.dtype) {
+    case 0: if (!launch_fast<__nv_bfloat16>(a, l.blocks, s)) sum_kernel<__nv_bfloat16><<<l.blocks, kThreads, 0, s>>>(a); break;
+    case 1: if (!launch_fast<__half>(a, l.blocks, s)) sum_kernel<__half><<<l.blocks, kThreads, 0, s>>>(a); break;
+    default: sum_kernel<float><<<l.blocks, kThreads, 0, s>>>(a); break;
   }
   TIDE_CUDA_CHECK(cudaGetLastError());
 }

@@ -38,6 +38,16 @@ class TIDEConfig:
     #: less host enqueue time, more slots let pushes run further ahead of the sums.
     chunk_mib: float = 16.0
     chunk_slots: int = 2
+    #: All-gather: copy streams the peer pushes are spread over (balanced by bytes). Each stream
+    #: feeds its own copy-engine queue; the own shard's placement always has a stream of its own.
+    copy_lanes: int = 2
+    #: All-gather: the own shards' placement on the same GPU, "kernel" (one short copy kernel of
+    #: local_copy_ctas CTAs) or "ce" (a copy-engine batch: ~7 us of host time per parameter).
+    local_copy: str = "kernel"
+    local_copy_ctas: int = 16
+    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
+    #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
+    rail: str = "auto"
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
     round_width: int = 2
@@ -57,10 +67,14 @@ class TIDEConfig:
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
         positive = {"max_params": self.max_params, "sum_ctas": self.sum_ctas, "chunk_slots": self.chunk_slots,
-                    "round_width": self.round_width}
+                    "copy_lanes": self.copy_lanes, "local_copy_ctas": self.local_copy_ctas, "round_width": self.round_width}
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.rail not in ("auto", "p2p", "nccl_rma"):
+            raise ValueError(f"rail={self.rail!r} is not supported; choose one of auto, p2p, nccl_rma")
+        if self.local_copy not in ("kernel", "ce"):
+            raise ValueError(f"local_copy={self.local_copy!r} is not supported; choose kernel or ce")
         if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
         if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tide_core.runtime.program import ReplayedProgram
+
 _WORD = ctypes.c_uint32
 
 
@@ -80,9 +82,12 @@ class EmulatedDevice:
     max_segments = 5  # small, so chunk launches really get split in tests
     max_sources = 16
 
-    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None):
+    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
-        with 1, a blocked stream-memory wait stalls every later operation of every stream."""
+        with 1, a blocked stream-memory wait stalls every later operation of every stream.
+        ``sum_delay_s`` / ``copy_delay_s``: slow sum kernels / 2-D copies (stage scatters), to expose
+        missing credits."""
+        self.copy_delay_s = copy_delay_s
         self.hardware_queues = hardware_queues
         self.streams: list[EmuStream] = []
         self.host = HostStream(self)
@@ -128,6 +133,22 @@ class EmulatedDevice:
             self.copies += len(dsts)
 
         stream.submit(run)
+
+    def copy_2d(self, stream, dst, dpitch, src, spitch, width, height):
+        def run():
+            if self.copy_delay_s:
+                time.sleep(self.copy_delay_s)
+            for row in range(height):
+                ctypes.memmove(dst + row * dpitch, src + row * spitch, width)
+            self.copies += 1
+
+        stream.submit(run)
+
+    def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
+        self.copy_batch(stream, dsts, srcs, sizes)
+
+    def compile(self, recorder, outputs, ring=64):
+        return ReplayedProgram(self, recorder, outputs)
 
     def write_flags(self, stream, addresses, value):
         addresses, value = list(addresses), value & 0xFFFFFFFF

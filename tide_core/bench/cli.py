@@ -1,4 +1,4 @@
-"""``python -m tide_core.bench ag|rs|interference|train|all``: TIDE vs stock FSDP2 vs bare NCCL.
+"""``python -m tide_core.bench ag|rs|ce|interference|train|all``: TIDE vs stock FSDP2 vs bare NCCL.
 
 Runs on every visible GPU (one process each, NCCL); on a CPU-only machine ``ag``/``rs`` run 2
 gloo processes with the reference transport (a smoke test of the harness, not a measurement).
@@ -20,21 +20,31 @@ from tide_core.bench import collectives, interference
 from tide_core.bench.common import launch, write_result
 
 
-def _transport(world_size: int):
+def _transport(world_size: int, nodes: int = 1, **overrides):
     from tide_core.config import TIDEConfig
     from tide_core.plan import Topology
     from tide_core.transport import make_transport
 
     from tide_core.runtime.groups import group_device
 
-    return make_transport("auto", Topology(1, world_size), None, device=group_device(), config=TIDEConfig.from_env())
+    if world_size % nodes:
+        raise SystemExit(f"--nodes {nodes} does not divide the {world_size} processes")
+    return make_transport("auto", Topology(nodes, world_size // nodes), None, device=group_device(),
+                          config=TIDEConfig.from_env(**overrides))
 
 
 def _collectives_worker(rank, world_size, args):
-    t = _transport(world_size)
+    t = _transport(world_size, args.nodes)
     rows = collectives.run_collectives(rank, world_size, kind=args.command, sizes_mib=args.sizes, iters=args.iters,
-                                       transport=t)
+                                       transport=t, trace_dir=args.scratch if args.trace else None)
     rate = collectives.measure_push_rate(t)
+    for key, values in args.sweep:
+        for value in values:
+            variant = _transport(world_size, args.nodes, **{key: value})
+            rows += collectives.run_collectives(rank, world_size, kind=args.command, sizes_mib=args.sizes,
+                                                iters=args.iters, transport=variant, tide_only=True,
+                                                label=f", {key}={value}")
+            variant.close()
     if rank == 0:
         body = collectives.format_rows(rows, floor_gbps=rate)
         if rate:
@@ -42,10 +52,30 @@ def _collectives_worker(rank, world_size, args):
         body += f"\n\nP = {30 if args.command == 'ag' else 16} uneven parameters; {args.iters} timed calls per system, each started after a barrier."
         print(body, flush=True)
         if args.write:
-            path = write_result(args.out, args.command, f"TIDE-{args.command.upper()} vs stock FSDP2 vs bare NCCL", body)
+            kind = args.command if args.nodes == 1 else f"{args.command}-{args.nodes}nodes-emulated"
+            title = f"TIDE-{args.command.upper()} vs stock FSDP2 vs bare NCCL"
+            if args.nodes > 1:
+                title += (f" ({args.nodes} nodes x {world_size // args.nodes} GPUs emulated on one host: "
+                          f"TIDE's cross-node hops use the p2p rail)")
+            path = write_result(args.out, kind, title, body)
             print(f"wrote {path}")
         with open(os.path.join(args.scratch, f"{args.command}.json"), "w") as f:
             json.dump({"rows": rows, "push_gbps": rate}, f)
+
+
+def _copy_engine_worker(rank, world_size, args):
+    from tide_core.bench import copyengine
+
+    rows = copyengine.run_copy_engine(rank, world_size, _transport(world_size))
+    if rank == 0:
+        body = copyengine.format_rows(rows)
+        body += ("\n\nEvery rank runs each case at once (pushes go to the next rank); 10 calls back to back, "
+                 "median of 5 runs.")
+        print(body, flush=True)
+        if args.write:
+            print(f"wrote {write_result(args.out, 'copy-engine', 'Copy-engine probe', body)}")
+        with open(os.path.join(args.scratch, "copy-engine.json"), "w") as f:
+            json.dump(rows, f)
 
 
 def _interference_worker(rank, world_size, args):
@@ -82,13 +112,27 @@ def run_train(args) -> None:
         print(f"wrote {path}")
 
 
+def _sweep(text: str) -> tuple[str, list]:
+    from tide_core.config import TIDEConfig
+
+    key, _, values = text.partition("=")
+    known = TIDEConfig.__dataclass_fields__
+    if key not in known or not values:
+        raise argparse.ArgumentTypeError(f"--sweep wants FIELD=V1,V2 with FIELD one of {sorted(known)}")
+    parse = {"int": int, "float": float}.get(str(known[key].type), str)
+    return key, [parse(v) for v in values.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m tide_core.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("command", choices=("ag", "rs", "interference", "train", "all"))
+    p.add_argument("command", choices=("ag", "rs", "ce", "interference", "train", "all"))
     p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128],
                    help="per-rank shard sizes in MiB (default 32,128)")
     p.add_argument("--iters", type=int, default=20, help="timed calls per system (default 20)")
+    p.add_argument("--nodes", type=int, default=1,
+                   help="ag/rs: treat the processes as this many nodes (emulated on one host; TIDE's cross-node "
+                        "all-gather hops then run over the p2p rail)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the markdown results")
     p.add_argument("--no-write", dest="write", action="store_false", help="print only")
     p.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "qwen3-moe"])
@@ -103,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phases", type=lambda s: s.split(","), default=["timing", "memory", "loss"],
                    help="train phases to run (timing,memory,loss); the report combines what exists in --scratch")
     p.add_argument("--loss-tokens", type=int, default=2048)
+    p.add_argument("--sweep", type=_sweep, action="append", default=[],
+                   help="ag/rs: also time TIDE with a TIDEConfig field at each value, e.g. copy_lanes=1,2,4")
+    p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p
 
@@ -117,6 +164,11 @@ def main(argv=None) -> int:
         args.command = command
         if command in ("ag", "rs"):
             launch(_collectives_worker, args)
+        elif command == "ce":
+            if gpus < 2:
+                print(f"ce: needs at least 2 CUDA GPUs ({gpus} visible); skipped", file=sys.stderr)
+            else:
+                launch(_copy_engine_worker, args)
         elif command == "train" and (gpus >= 2 or all(m.startswith("tiny") for m in args.models)):
             run_train(args)  # tiny models also run on 2 CPU processes (a smoke test of the harness)
         elif gpus < 2:

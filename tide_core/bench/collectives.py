@@ -8,6 +8,8 @@ pre-packed buffers (no layout work: a floor, not a usable FSDP2 path). TIDE land
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
@@ -61,8 +63,11 @@ def _reduce_scatter(out, inp, op):
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, op=op)
 
 
-def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[int], iters: int, transport) -> list[dict]:
-    """One row per (size, system); every rank returns the same rows."""
+def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[int], iters: int, transport,
+                    tide_only: bool = False, label: str = "", trace_dir: str | None = None) -> list[dict]:
+    """One row per (size, system); every rank returns the same rows. ``tide_only``: TIDE's row
+    alone, named with ``label`` (for knob sweeps); ``trace_dir``: also write a compact profiler
+    trace of each system (rank 0)."""
     device = transport.device if hasattr(transport, "device") else torch.device("cpu")
     num_params = 30 if kind == "ag" else 16
     bare = "NCCL" if dist.get_backend() == "nccl" else dist.get_backend()
@@ -99,7 +104,14 @@ def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[in
                 f"bare {bare} (fp32, pre-packed)": (lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG), 0),
             }
             moved = (N - 1) * S  # bf16 bytes each rank sends (NCCL's fp32 path sends twice that)
+        if tide_only:
+            systems = {name + label: value for name, value in systems.items() if name.startswith("TIDE")}
         for name, (fn, buffer_bytes) in systems.items():
+            if trace_dir is not None:
+                from tide_core.bench.copyengine import trace
+
+                slug = "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-")
+                trace(fn, os.path.join(trace_dir, f"trace-{kind}-{size}-{slug}.json") if rank == 0 else None)
             timing: Timing = time_collective(fn, iters)
             pipelined_ms, host_ms = time_back_to_back(fn)
             kernels, copies = count_kernels(fn)
@@ -121,7 +133,7 @@ def format_rows(rows: list[dict], floor_gbps: float | None = None) -> str:
         by_size.setdefault((r["op"], r["size_mib"]), []).append(r)
     table = []
     for (op, size), group in by_size.items():
-        stock = next(r for r in group if r["system"] == "stock FSDP2")
+        stock = next((r for r in group if r["system"] == "stock FSDP2"), group[0])
         for r in group:
             speedup = stock["median_ms"] / r["median_ms"]
             floor = ""

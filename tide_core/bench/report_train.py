@@ -65,14 +65,14 @@ def write_train_report(args) -> Path:
                          f"{mem['peak_allocated'] / GiB:.1f}" if mem else "n/m",
                          f"{mem['peak_reserved'] / GiB:.1f}" if mem else "n/m",
                          f"{prof['layout_copy_ms']:.1f}" if prof else "", f"{prof['nccl_kernel_ms']:.1f}" if prof else "",
-                         f"{prof['tide_sum_kernel_ms']:.1f}" if prof else "", f"{prof['comm_sm_ms']:.1f}" if prof else ""])
+                         f"{prof['tide_kernel_ms']:.1f}" if prof else "", f"{prof['comm_sm_ms']:.1f}" if prof else ""])
     body = [
         f"Model: {model}, {args.layers} layers, {timing['params'] / 1e9:.2f}B parameters, random init; bf16 params, "
         f"fp32 reduce, fused AdamW; activation checkpointing {'on' if args.ac else 'off'}; systems interleaved by round "
         f"({args.rounds} timed rounds x {args.steps} steps after a warm-up round).",
         "",
         markdown_table(["tokens/GPU", "system", "median ms", "IQR ms", "steps", "saving vs stock", "peak alloc GiB",
-                        "peak reserved GiB", "layout-copy kernel ms", "NCCL kernel ms", "TIDE sum kernel ms",
+                        "peak reserved GiB", "layout-copy kernel ms", "NCCL kernel ms", "TIDE kernels ms (sums, local copies)",
                         "comm SM-ms/step"], rows),
         "",
         "Profile columns come from one traced step at the first tokens/GPU point; memory from a separate launch per "

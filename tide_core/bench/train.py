@@ -94,7 +94,7 @@ def profile_step(model, opt, vocab, tokens, rank) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         train_step(model, opt, batch)
         torch.cuda.synchronize()
-    layout_ms = collective_ms = sum_ms = 0.0
+    layout_ms = collective_ms = tide_ms = 0.0
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CUDA:
             continue
@@ -103,10 +103,10 @@ def profile_step(model, opt, vocab, tokens, rank) -> dict:
             layout_ms += ms
         elif "nccl" in e.name.lower():
             collective_ms += ms
-        elif "sum_kernel" in e.name:
-            sum_ms += ms
-    return {"layout_copy_ms": layout_ms, "nccl_kernel_ms": collective_ms, "tide_sum_kernel_ms": sum_ms,
-            "comm_sm_ms": collective_ms + sum_ms}
+        elif "tide::" in e.name:  # tide_core._C's kernels: reduce-scatter sums, local shard placement
+            tide_ms += ms
+    return {"layout_copy_ms": layout_ms, "nccl_kernel_ms": collective_ms, "tide_kernel_ms": tide_ms,
+            "comm_sm_ms": collective_ms + tide_ms}
 
 
 def timing_pass(rank: int, world_size: int, args) -> dict:

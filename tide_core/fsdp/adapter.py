@@ -328,7 +328,9 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         key = (id(pg_dist), topo)
         if key not in transports:
             try:
-                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device, config=config)
+                single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
+                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device, config=config,
+                                                 single_host=single_host)
             except TIDEError as exc:
                 entry.reason = f"transport unavailable: {exc}"
                 continue

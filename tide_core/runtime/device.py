@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from tide_core.runtime import native
+from tide_core.runtime.program import CALLER
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -47,9 +48,17 @@ class CudaDevice:
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
 
-    # copy engines ------------------------------------------------------------------------------
+    # copy engines and the copy kernel -------------------------------------------------------------
     def copy_batch(self, stream, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
         self.lib.memcpy_batch(dsts, srcs, sizes, stream.cuda_stream, True)
+
+    def copy_2d(self, stream, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
+        """``height`` rows of ``width`` bytes between pitched layouts (one copy-engine descriptor)."""
+        self.lib.memcpy_2d(dst, dpitch, src, spitch, width, height, stream.cuda_stream)
+
+    def copy_kernel(self, stream, dsts: list[int], srcs: list[int], sizes: list[int], ctas: int) -> None:
+        """Same-GPU copies in one short kernel (a batch of same-GPU copies costs ~7 us of host time each)."""
+        self.lib.copy_kernel(dsts, srcs, sizes, ctas, stream.cuda_stream)
 
     # stream memory operations --------------------------------------------------------------------
     def write_flags(self, stream, addresses: list[int], value: int) -> None:
@@ -70,6 +79,10 @@ class CudaDevice:
         self.lib.launch_sum(out, staged, segments, first, count, alpha, accumulate, DTYPE_CODES[dtype], ctas,
                             stream.cuda_stream)
 
+    # stream programs ---------------------------------------------------------------------------------
+    def compile(self, recorder, outputs: list[int], ring: int = 64) -> "CompiledProgram":
+        return CompiledProgram(self.lib, recorder, outputs, ring)
+
     @property
     def max_segments(self) -> int:
         return self.lib.MAX_SEGMENTS
@@ -77,3 +90,49 @@ class CudaDevice:
     @property
     def max_sources(self) -> int:
         return self.lib.MAX_SOURCES
+
+
+class NativeEvent:
+    """An event handed out by a compiled program (a cudaEvent_t it owns); duck-types torch.cuda.Event.
+    It keeps the program alive: destroying a program destroys its events, and a handle still held
+    by a caller or the watchdog must not dangle (programs recorded per call under fault injection,
+    or evicted from the transport's cache, are dropped while their work is in flight)."""
+
+    __slots__ = ("lib", "handle", "program")
+
+    def __init__(self, lib, handle: int, program):
+        self.lib, self.handle, self.program = lib, handle, program
+
+    def query(self) -> bool:
+        return self.lib.event_query(self.handle)
+
+    def wait(self, stream=None) -> None:
+        stream = stream if stream is not None else torch.cuda.current_stream()
+        self.lib.stream_wait_event(stream.cuda_stream, self.handle)
+
+
+class CompiledProgram:
+    """A ``ProgramRecorder``'s recording as a ``tide_core._C.StreamProgram``: one host call per replay."""
+
+    def __init__(self, lib, recorder, outputs: list[int], ring: int):
+        self.lib = lib
+        program = lib.StreamProgram(recorder.num_events)
+
+        def handle(stream) -> int:
+            return lib.CALLER_STREAM if stream is CALLER else stream.cuda_stream
+
+        for kind, stream, *args in recorder.ops:
+            if kind == "sum":
+                out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
+                program.sum(handle(stream), out, staged, segments, first, count, alpha, accumulate,
+                            DTYPE_CODES[dtype], ctas)
+            else:
+                getattr(program, kind)(handle(stream), *args)
+        program.set_outputs(outputs, ring)
+        self.program = program
+
+    def __len__(self) -> int:
+        return len(self.program)
+
+    def replay(self, caller_stream, base: int) -> list[NativeEvent]:
+        return [NativeEvent(self.lib, h, self) for h in self.program.replay(caller_stream.cuda_stream, base)]

@@ -8,8 +8,10 @@ from tide_core.errors import TIDEError
 from tide_core.plan import Topology
 
 
-def cuda_unavailable_reason(topology: Topology, device: torch.device) -> str | None:
-    """Why the CUDA transport cannot serve this group (None: it can)."""
+def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_host: bool = True,
+                            rail: str = "auto") -> str | None:
+    """Why the CUDA transport cannot serve this group (None: it can). ``single_host``: every rank of
+    the group runs on this machine (multi-node topologies are then emulated over the p2p rail)."""
     if device.type != "cuda":
         return f"the group lives on {device.type}, the CUDA transport needs CUDA tensors"
     from tide_core.runtime import native
@@ -17,13 +19,17 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device) -> str | N
     if native.load_error() is not None:
         return f"tide_core._C is not available ({native.load_error()})"
     if topology.nodes > 1:
-        return (f"{topology.nodes} nodes: the CUDA transport's cross-node rail path needs NCCL >= 2.31 host RMA "
-                "(see docs/multinode.md); the reference transport serves multi-node groups")
+        from tide_core.transport.rail import nccl_rma_unavailable_reason
+
+        if rail == "nccl_rma" or (rail == "auto" and not single_host):
+            return f"{topology.nodes} nodes: the rail transport 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}"
     return None
 
 
-def make_transport(kind: str, topology: Topology, group, *, device: torch.device, config=None):
-    """Build the transport ``kind`` ("auto" | "reference" | "cuda") for one shard process group."""
+def make_transport(kind: str, topology: Topology, group, *, device: torch.device, config=None,
+                   single_host: bool = True):
+    """Build the transport ``kind`` ("auto" | "reference" | "cuda") for one shard process group.
+    ``single_host``: every rank of ``group`` runs on this machine."""
     from tide_core.config import TIDEConfig
 
     config = config or TIDEConfig()
@@ -31,11 +37,11 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
     if kind not in ("auto", "reference", "cuda"):
         raise ValueError(f"transport={kind!r} is not supported; choose one of auto, reference, cuda")
     if kind in ("auto", "cuda"):
-        reason = cuda_unavailable_reason(topology, device)
+        reason = cuda_unavailable_reason(topology, device, single_host=single_host, rail=config.rail)
         if reason is None:
             from tide_core.transport.cuda import CudaTransport
 
-            return CudaTransport(topology, group, config=config)
+            return CudaTransport(topology, group, config=config, single_host=single_host)
         if kind == "cuda":
             raise TIDEError(f"transport='cuda' requested but {reason}")
     from tide_core.transport.reference import ReferenceTransport

@@ -144,3 +144,6 @@ class Transport(abc.ABC):
     def staging_bytes(self) -> int:
         """Transport-owned staging memory (reduce-scatter chunks, flags)."""
         return 0
+
+    def close(self) -> None:
+        """Release background resources (threads); buffers go with the transport."""

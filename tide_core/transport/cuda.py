@@ -3,12 +3,14 @@
 Memory: a symmetric arena (every rank's segments mapped on every local GPU) holding landing
 slots, the reduce-scatter staging ring and a flags segment of epoch counters.
 
-TIDE-AG, call e (no SM kernels). Three internal streams decouple the three conditions of
-Section 3.2: the readiness stream tells every peer "my outputs may be written for call e"; the
-copy stream waits for every peer's readiness, pushes this rank's P shards to every local GPU's
-Landing(p, r) in one cudaMemcpyBatchAsync and then writes "done e" into each peer's flags; the
-completion stream waits for every peer's "done e" and records the event the caller waits on.
-A rank therefore never waits on its slowest sibling to *issue* its next call.
+TIDE-AG, call e (no SM kernels). Internal streams decouple the conditions of Section 3.2: the
+readiness stream tells every peer "my outputs may be written for call e"; the local stream places
+this rank's own shards at once (no peer involved); ``copy_lanes`` copy streams each wait for the
+readiness of the peers they write to and push their share of this rank's P shards to those GPUs'
+Landing(p, r) in one cudaMemcpyBatchAsync; the first lane joins the others and writes "done e"
+into each peer's flags; the completion stream waits for every peer's "done e" and records the
+event the caller waits on. A rank therefore never waits on its slowest sibling to *issue* its
+next call.
 
 TIDE-RS, one chunk at a time (bounded staging). Source side: for chunk q (a global sequence
 number) wait until each owner returned the credit of the staging slot q - n_slots, push this
@@ -18,7 +20,11 @@ rank, then the owner's own rows read in place; alpha and accumulate folded; FSDP
 shard written), return the credit. The kernel never polls peers: all waiting is stream memory
 operations. Arithmetic is exactly the reference transport's, so results are bitwise equal.
 
-Multi-node groups go to the reference transport (see docs/multinode.md for the rail path).
+Multi-node groups (M nodes x L GPUs): the all-gather adds the Bruck rounds of Section 3.1 over a
+rail transport (``tide_core.transport.rail``): pushes into the rail peers' receive stage with
+epoch signals, per-area stage credits and lead-based pacing, then strided scatters of the stage
+into every local GPU's landing. The reduce-scatter's Level 2 over rails is not built yet; it runs
+on the reference transport (docs/multinode.md).
 """
 
 from __future__ import annotations
@@ -30,13 +36,17 @@ import torch.distributed as dist
 
 from tide_core.errors import TransportError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, chunk_segments, level1_copies, level1_order
+from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
+from tide_core.runtime.program import ProgramRecorder
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
 
 FLAG_LINE = 64  # one epoch counter per cache line
-AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT = range(4)  # flag kinds; each has one word per local rank
+AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT, AG_SCATTERED = range(5)  # flag kinds; one word per local rank
+FLAG_KINDS = 5
+RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # rail signal kinds, one slot per kind per Bruck round
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
 
 
@@ -75,17 +85,18 @@ class CudaTransport(Transport):
     name = "cuda"
 
     def __init__(self, topology: Topology, group: dist.ProcessGroup | None = None, *, config=None,
-                 device: torch.device | None = None, backend=None, allocator=None, faults: dict | None = None):
+                 device: torch.device | None = None, backend=None, allocator=None, faults: dict | None = None,
+                 single_host: bool = True):
+        """``single_host``: every rank of ``group`` runs on this machine (multi-node topologies are then
+        emulated over the ``p2p`` rail; across hosts the rail is ``nccl_rma``)."""
         from tide_core.config import TIDEConfig
 
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
-        if topology.nodes != 1:
-            raise TransportError(f"the CUDA transport serves one node; topology has {topology.nodes} nodes")
         self.topology = topology
         self.config = config or TIDEConfig()
         self.groups = topology_groups(topology, group)
-        self.rank = self.groups.rank
+        self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local
         L = topology.gpus_per_node
         if L - 1 > 15:
             raise TransportError(f"gpus_per_node={L}: the sum kernel stages at most 15 peers")
@@ -101,23 +112,46 @@ class CudaTransport(Transport):
         self.arena = Arena(allocator)
         self.faults = dict(faults or {})
 
-        self.flags = self.arena.segment("flags", FLAG_LINE * 4 * L)
+        self.flags = self.arena.segment("flags", FLAG_LINE * FLAG_KINDS * L)
         self.flags.base.zero_()
+        self.rail = None
+        self._rs_multinode = None
+        if topology.nodes > 1:
+            from tide_core.transport.rail import P2PRail, make_rail
+            from tide_core.transport.reference import ReferenceTransport
+
+            slots = 3 * max(1, num_rounds(topology.nodes))
+            rail_flags = self.arena.segment("rail_flags", P2PRail.flag_bytes(topology, slots))
+            rail_flags.base.zero_()
+            self.rail = make_rail(self.config.rail, topology, self.rank, rail_flags, slots, single_host=single_host)
+            self.name = f"cuda, {self.rail.name} rail"
+            # Level 2 of the reduce-scatter over rails is not built yet (docs/multinode.md): until it
+            # is, multi-node reduce-scatters run the same plan on the reference transport.
+            self._rs_multinode = ReferenceTransport(topology, group, wave_width=self.config.wave_width,
+                                                    round_width=self.config.round_width,
+                                                    validate=self.config.validate_calls, device=self.device)
         self.dev.synchronize()
         dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
 
         self.s_ready = self.dev.stream(priority=-1)
-        self.s_copy = self.dev.stream(priority=-1)
+        self.s_local = self.dev.stream(priority=-1)
+        self.s_lanes = [self.dev.stream(priority=-1) for _ in range(self.config.copy_lanes)]
         self.s_done = self.dev.stream(priority=-1)
         self.s_push = self.dev.stream(priority=-1)
         self.s_sum = self.dev.stream(priority=-1)
+        if self.rail is not None:
+            self.s_rail = self.dev.stream(priority=-1)  # rail sends of the Bruck rounds
+            self.s_scatter = self.dev.stream(priority=-1)  # rail receives and stage scatters
+        self.ag_stage = None
+        self._ag_stage_generation = 0
         self.ag_epoch = 0
         self.rs_seq = 0
         self.ag_calls = 0
         self._deferred = None
         self._agreed: set = set()
         self._plans: dict = {}
-        self._descriptors: dict = {}
+        self._programs: dict = {}
+        self._checked: set = set()  # calls whose buffers were validated (and agreed on) once
         self.n_slots = self.config.chunk_slots
         self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
         self.staging = None
@@ -127,19 +161,23 @@ class CudaTransport(Transport):
                                  abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
 
     # -- flags -------------------------------------------------------------------------------
-    def _flag_offset(self, kind: int, rank: int) -> int:
-        return FLAG_LINE * (kind * self.topology.gpus_per_node + rank)
+    # Node-local flags: word (kind, sender's local rank) in each GPU's flags segment.
+    def _flag_offset(self, kind: int, local: int) -> int:
+        return FLAG_LINE * (kind * self.topology.gpus_per_node + local)
 
-    def local_flag(self, kind: int, rank: int) -> int:
-        return self.flags.ptr + self._flag_offset(kind, rank)
+    def local_flag(self, kind: int, local: int) -> int:
+        return self.flags.ptr + self._flag_offset(kind, local)
 
-    def peer_flag(self, peer: int, kind: int, rank: int) -> int:
-        return self.flags.peer_ptrs[peer] + self._flag_offset(kind, rank)
+    def peer_flag(self, peer_local: int, kind: int, local: int) -> int:
+        return self.flags.peer_ptrs[self.topology.rank(self.node, peer_local)] + self._flag_offset(kind, local)
 
     def _release_after_stall(self, what: str) -> None:
         L = self.topology.gpus_per_node
         newest = max(self.ag_epoch, self.rs_seq) + RELEASE_STEP
-        self.dev.release_flags([self.local_flag(k, r) for k in range(4) for r in range(L)], newest)
+        words = [self.local_flag(k, r) for k in range(FLAG_KINDS) for r in range(L)]
+        if self.rail is not None:
+            words += [self.rail.flags.ptr + offset for offset in range(0, self.rail.flags.nbytes, FLAG_LINE)]
+        self.dev.release_flags(words, newest)
 
     def _check_alive(self) -> None:
         self.watchdog.check()
@@ -150,12 +188,13 @@ class CudaTransport(Transport):
 
     @functools.cached_property
     def peers(self) -> list[int]:
-        return [r for r in range(self.topology.gpus_per_node) if r != self.rank]
+        """Local ranks of the other GPUs of this node."""
+        return [r for r in range(self.topology.gpus_per_node) if r != self.local]
 
     @functools.lru_cache(maxsize=None)
     def _peer_flags(self, kind: int) -> list[int]:
-        """This rank's word of ``kind`` in every peer's flags."""
-        return [self.peer_flag(j, kind, self.rank) for j in self.peers]
+        """This rank's word of ``kind`` in every node peer's flags."""
+        return [self.peer_flag(j, kind, self.local) for j in self.peers]
 
     @functools.lru_cache(maxsize=None)
     def _local_flags(self, kind: int) -> list[int]:
@@ -217,10 +256,11 @@ class CudaTransport(Transport):
     def all_gather(self, layout: GroupLayout, shards, outputs):
         # Full checks (and the cross-rank agreement) run the first time a set of buffers is seen;
         # repeated calls on the same buffers, FSDP2's steady state, only pay for this key.
-        key = ("ag-desc", layout.signature(), self._buffers_key(shards), self._buffers_key(outputs))
-        if key not in self._descriptors:
+        key = ("ag", layout.signature(), self._buffers_key(shards), self._buffers_key(outputs))
+        if key not in self._checked:
             self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs, self.device),
                            shards[0].dtype if shards else None)
+            self._mark_checked(key)
         else:
             self._check_alive()
         call = self.ag_calls
@@ -242,37 +282,183 @@ class CudaTransport(Transport):
         return self._plans[key]
 
     def _all_gather(self, layout: GroupLayout, shards, outputs, key) -> CudaWork:
-        dev, me = self.dev, self.rank
-        descriptors = self._descriptors.get(key)
-        if descriptors is None:
-            plan = self._ag_plan(layout)
-            peer_out = [self._peer_address(outputs[p], layout.unsharded_numel(p) * layout.itemsize, f"outputs[{p}]")
-                        for p in range(layout.num_params)]
-            dsts, srcs, sizes = [], [], []
-            for push in plan.local_pushes:
-                p = push.param
-                dsts.append(peer_out[p][push.dst_local] + push.dst_offset - layout.landing(p, 0))
-                srcs.append(shards[p].data_ptr())
-                sizes.append(push.nbytes)
-            descriptors = self._remember(key, (dsts, srcs, sizes))
-        dsts, srcs, sizes = descriptors
         self.ag_epoch += 1
         e = self.ag_epoch
+        program = None if self.faults else self._programs.get(key)
+        if program is None:
+            recorder = ProgramRecorder(base=e)
+            done = self._record_all_gather(recorder, e, layout, shards, *self._ag_descriptors(layout, shards, outputs))
+            program = self.dev.compile(recorder, [done])
+            if not self.faults:  # fault injection varies by call: record every call afresh
+                self._remember(key, program)
+        (done,) = program.replay(self.dev.current_stream(), e)
+        self.watchdog.track(done, f"rank {self.rank}: all_gather call {e}")
+        return CudaWork(self, [done])
 
+    def _record_all_gather(self, dev, e: int, layout, shards, local, lanes, landings) -> int:
+        """Call ``e``'s device work, issued on ``dev`` (a ProgramRecorder); returns the done event."""
         start = dev.record(dev.current_stream())
         dev.wait_event(self.s_ready, start)
         dev.write_flags(self.s_ready, self._peer_flags(AG_READY), e)
-        dev.wait_event(self.s_copy, start)
-        dev.wait_flags(self.s_copy, self._local_flags(AG_READY), e)
-        dev.copy_batch(self.s_copy, dsts, srcs, sizes)
-        if e not in self.faults.get("skip_completion", ()):
-            dev.write_flags(self.s_copy, self._peer_flags(AG_DONE), e)
-        copied = dev.record(self.s_copy)
-        dev.wait_event(self.s_done, copied)
+        # The own shard's placement needs no peer: it starts at once on its own stream.
+        dev.wait_event(self.s_local, start)
+        self._place_local(dev, self.s_local, *local)
+        placed = dev.record(self.s_local)
+        # Peer pushes: each lane is a copy stream (its own copy-engine queue) that waits only for
+        # the readiness of the peers it writes to; the first lane joins the others and signals.
+        lane_done = []
+        for lane, (targets, dsts, srcs, sizes) in enumerate(lanes):
+            stream = self.s_lanes[lane]
+            dev.wait_event(stream, start)
+            dev.wait_flags(stream, [self.local_flag(AG_READY, j) for j in targets], e)
+            dev.copy_batch(stream, dsts, srcs, sizes)
+            if lane:
+                lane_done.append(dev.record(stream))
+        signal = self.s_lanes[0]
+        for event in lane_done:
+            dev.wait_event(signal, event)
+        skip_completion = e in self.faults.get("skip_completion", ())
+        if not skip_completion:
+            dev.write_flags(signal, self._peer_flags(AG_DONE), e)
+        pushed = dev.record(signal)
+        dev.wait_event(self.s_done, pushed)
+        dev.wait_event(self.s_done, placed)
         dev.wait_flags(self.s_done, self._local_flags(AG_DONE), e)
-        done = dev.record(self.s_done)
-        self.watchdog.track(done, f"rank {me}: all_gather call {e}")
-        return CudaWork(self, [done])
+        if self.rail is not None:  # other nodes' shards: Bruck rounds, scattered into every local landing
+            scattered = self._record_rail_rounds(dev, e, start, layout, shards, landings)
+            if not skip_completion:
+                dev.write_flags(self.s_scatter, self._peer_flags(AG_SCATTERED), e)
+            dev.wait_event(self.s_done, scattered)
+            dev.wait_flags(self.s_done, self._local_flags(AG_SCATTERED), e)
+        return dev.record(self.s_done)
+
+    def _landing_addresses(self, layout: GroupLayout, outputs) -> list[list[int]]:
+        """[p][j]: address of parameter p's landing (its byte layout.landing(p, 0)) on local GPU j."""
+        node_ranks = [self.topology.rank(self.node, j) for j in range(self.topology.gpus_per_node)]
+        addresses = []
+        for p in range(layout.num_params):
+            everyone = self._peer_address(outputs[p], layout.unsharded_numel(p) * layout.itemsize, f"outputs[{p}]")
+            addresses.append([everyone[r] - layout.landing(p, 0) for r in node_ranks])
+        return addresses
+
+    def _ag_descriptors(self, layout: GroupLayout, shards, outputs):
+        """(local copies, lanes, landings): the own shards' placement; the node-local peer pushes
+        split over ``copy_lanes`` copy streams, balanced by bytes, each lane (local peers it writes,
+        dsts, srcs, sizes); and the landing bases of ``_landing_addresses``."""
+        plan = self._ag_plan(layout)
+        landings = self._landing_addresses(layout, outputs)
+        local = ([], [], [])
+        pushes = []
+        for push in plan.local_pushes:
+            p = push.param
+            copy = (landings[p][push.dst_local] + push.dst_offset, shards[p].data_ptr(), push.nbytes)
+            if push.dst_local == self.local:
+                for column, value in zip(local, copy):
+                    column.append(value)
+            else:
+                pushes.append((push.dst_local, copy))
+        n_lanes = max(1, min(len(self.s_lanes), len(pushes)))
+        lanes = [(set(), [], [], []) for _ in range(n_lanes)]
+        load = [0] * n_lanes
+        for peer, copy in sorted(pushes, key=lambda item: -item[1][2]):  # largest first onto the lightest lane
+            lane = load.index(min(load))
+            load[lane] += copy[2]
+            lanes[lane][0].add(peer)
+            for column, value in zip(lanes[lane][1:], copy):
+                column.append(value)
+        return local, [(sorted(targets), dsts, srcs, sizes) for targets, dsts, srcs, sizes in lanes], landings
+
+    def _ensure_ag_stage(self, nbytes: int):
+        """The all-gather receive stage ((M-1)*S bytes), grown like the reduce-scatter staging."""
+        if self.ag_stage is None or self.ag_stage.nbytes < nbytes:
+            self._ag_stage_generation += 1
+            self.ag_stage = self.arena.segment(f"ag_stage{self._ag_stage_generation}", nbytes)
+        return self.ag_stage
+
+    def _record_scatter(self, dev, stream, copies, stage, landings) -> None:
+        """One round's stage runs into every local GPU's landing: this GPU's rows by the local copy
+        path (one kernel launch; same-GPU copy-engine descriptors cost ~7 us of host time each), a
+        node peer's single rows in one copy-engine batch and its strided runs as 2-D copies."""
+        local = ([], [], [])
+        peer_rows = {j: ([], [], []) for j in self.peers}
+        for copy in copies:
+            for j in range(self.topology.gpus_per_node):
+                dst, src = landings[copy.param][j] + copy.dst_offset, stage.ptr + copy.src_offset
+                if j != self.local and copy.count > 1:
+                    dev.copy_2d(stream, dst, copy.dst_pitch, src, copy.src_pitch, copy.width, copy.count)
+                    continue
+                rows = local if j == self.local else peer_rows[j]
+                for i in range(copy.count):
+                    for column, value in zip(rows, (dst + i * copy.dst_pitch, src + i * copy.src_pitch, copy.width)):
+                        column.append(value)
+        self._place_local(dev, stream, *local)
+        for rows in peer_rows.values():
+            dev.copy_batch(stream, *rows)
+
+    def _place_local(self, dev, stream, dsts, srcs, sizes) -> None:
+        """Same-GPU copies by the configured path (``local_copy``)."""
+        if self.config.local_copy == "kernel":
+            dev.copy_kernel(stream, dsts, srcs, sizes, self.config.local_copy_ctas)
+        else:
+            dev.copy_batch(stream, dsts, srcs, sizes)
+
+    def _record_rail_rounds(self, dev, e: int, start: int, layout: GroupLayout, shards, landings) -> int:
+        """Bruck rounds over the rail for call ``e`` (Section 3.1); returns the event after this rank's
+        last stage scatter. Per round d, on the send stream: wait for the target's credit for its
+        stage area d (its readers of call e-1 are done) and, from round 1 on, for the target's
+        confirmation that it holds round d-1 (lead-based pacing); push the head (own shards, ready
+        at once), then the tail (stage slots that arrived in earlier rounds); signal. On the receive
+        stream: wait for round d's data, confirm it to the sender of round d+1, scatter the round's
+        stage runs into every local GPU's landing (``_record_scatter``). Stage area d is credited back
+        to its sender as soon as its last reader (its scatter, or a later round's tail) is done.
+        The returned event also covers this rank's sends (the shards may be refilled after it)."""
+        plan = self._ag_plan(layout)
+        rail, topo = self.rail, self.topology
+        S, R = layout.total_shard_bytes, len(plan.rounds)
+        stage = self._ensure_ag_stage((topo.nodes - 1) * S)
+        s_send, s_recv = self.s_rail, self.s_scatter
+        slot = {kind: (lambda d, kind=kind: kind * R + d) for kind in (RAIL_DATA, RAIL_ACK, RAIL_CREDIT)}
+        # Area d (stage slots [2^d, 2^d + c_d)) is read by round d's scatter and by the tail of any
+        # later round that forwards more than 2^d slots.
+        last_tail = {d: max((d2 for d2 in range(d + 1, R) if plan.sends[d2].num_slots > 1 << d), default=None)
+                     for d in range(R)}
+        dev.wait_event(s_send, start)
+        dev.wait_event(s_recv, start)
+        dev.wait_flags(s_recv, self._local_flags(AG_READY), e)  # scatters write every local landing
+        received, scattered = [], []
+        for d in range(R):
+            send, recv = plan.sends[d], plan.recvs[d]
+            target = send.dst_node
+            if not self.faults.get("rail_early_reuse"):
+                rail.wait(dev, s_send, target, slot[RAIL_CREDIT](d), e - 1)
+            if d > 0:
+                rail.wait(dev, s_send, target, slot[RAIL_ACK](d - 1), e)
+            base = (send.dst_slot - 1) * S
+            rail.put(dev, s_send, target, stage, [base + layout.shard_offset(p) for p in range(layout.num_params)],
+                     [t.data_ptr() for t in shards], [layout.shard_bytes(p) for p in range(layout.num_params)])
+            if send.num_slots > 1:
+                for event in received:
+                    dev.wait_event(s_send, event)
+                rail.put(dev, s_send, target, stage, [send.dst_slot * S], [stage.ptr], [(send.num_slots - 1) * S])
+                for area in range(d):
+                    if last_tail[area] == d and e < self.faults.get("rail_drop_credit_from", float("inf")):
+                        dev.wait_event(s_send, scattered[area])
+                        rail.signal(dev, s_send, plan.recvs[area].src_node, slot[RAIL_CREDIT](area), e)
+            if e not in self.faults.get("rail_skip_signal", ()):
+                rail.signal(dev, s_send, target, slot[RAIL_DATA](d), e)
+
+            rail.wait(dev, s_recv, recv.src_node, slot[RAIL_DATA](d), e)
+            received.append(dev.record(s_recv))
+            if d + 1 < R:
+                rail.signal(dev, s_recv, plan.recvs[d + 1].src_node, slot[RAIL_ACK](d), e)
+            self._record_scatter(dev, s_recv, plan.stage_copies[d], stage, landings)
+            scattered.append(dev.record(s_recv))
+            if last_tail[d] is None and e < self.faults.get("rail_drop_credit_from", float("inf")):
+                rail.signal(dev, s_recv, recv.src_node, slot[RAIL_CREDIT](d), e)
+        # The call completes when this rank's sends are done too: the caller may then refill the
+        # shards they read (and the stage they forwarded from).
+        dev.wait_event(s_recv, dev.record(s_send))
+        return dev.record(s_recv)
 
     # -- reduce-scatter ---------------------------------------------------------------------------------
     def _rs_plan(self, layout: GroupLayout, chunk_elems: int):
@@ -308,12 +494,17 @@ class CudaTransport(Transport):
             first = end
         return launches
 
-    def _remember(self, key, value):
-        """Per-call descriptor lists keyed by the buffers' addresses (FSDP2 reuses them across steps)."""
-        if len(self._descriptors) >= 256:
-            self._descriptors.pop(next(iter(self._descriptors)))
-        self._descriptors[key] = value
-        return value
+    def _mark_checked(self, key) -> None:
+        if len(self._checked) >= 4096:
+            self._checked.clear()
+        self._checked.add(key)
+
+    def _remember(self, key, program):
+        """Stream programs keyed by the call's buffers' addresses (FSDP2 reuses them across steps)."""
+        if len(self._programs) >= 256:
+            self._programs.pop(next(iter(self._programs)))
+        self._programs[key] = program
+        return program
 
     def _ensure_staging(self, needed_slot_bytes: int) -> None:
         """Staging holds n_slots chunks for each of the L-1 peers. A chunk is as large as one peer's
@@ -333,69 +524,80 @@ class CudaTransport(Transport):
         return base + (index * self.n_slots + slot) * self.slot_bytes
 
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False):
-        key = ("rs-desc", layout.signature(), self._staging_generation, self._buffers_key(grads))
-        descriptors = self._descriptors.get(key)
-        if descriptors is None or not isinstance(out, torch.Tensor) or out.numel() != layout.total_shard_numel:
+        if self._rs_multinode is not None:
+            return self._rs_multinode.reduce_scatter(layout, grads, out, alpha=alpha, accumulate=accumulate)
+        key = ("rs", layout.signature(), self._buffers_key(grads),
+               (out.data_ptr(), out.numel(), out.dtype) if isinstance(out, torch.Tensor) else None, alpha, accumulate)
+        if key not in self._checked:
             self._prologue("reduce_scatter", layout,
                            lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate, self.device),
                            grads[0].dtype if grads else None)
+            self._mark_checked(key)
         else:
             self._check_alive()
-        dev, me = self.dev, self.rank
         itemsize = grads[0].element_size()
         self._ensure_staging(layout.total_shard_numel * itemsize)
         chunk_elems = self.slot_bytes // itemsize // 8 * 8
-        chunks, copies, launches, order = self._rs_plan(layout, chunk_elems)
+        plan = self._rs_plan(layout, chunk_elems)
         base_seq = self.rs_seq
-        self.rs_seq += len(chunks)
-        n_slots = self.n_slots
-        key = ("rs-desc", layout.signature(), self._staging_generation, self._buffers_key(grads))
-        descriptors = self._descriptors.get(key)
-        if descriptors is None:
-            grad_ptr = [g.data_ptr() for g in grads]
-            pushes, sums = [], []
-            for k, chunk in enumerate(chunks):
-                pushes.append([(cp.owner, cp.staging_offset * itemsize,
-                                grad_ptr[cp.param] + cp.src_offset * itemsize, cp.length * itemsize) for cp in copies[k]])
-                sums.append([(first, count, [(sg.out_offset - chunk.start, sg.length, sg.valid,
-                                              grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segs])
-                             for first, count, segs in launches[k]])
-            descriptors = self._remember(key, (pushes, sums))
-        pushes, sums = descriptors
+        self.rs_seq += len(plan[0])
+        # The recording depends on the first chunk's slot and, for the first calls only, on which
+        # chunks have an earlier use of their slot to wait for; flag values are relative to base_seq.
+        key = ("rs", layout.signature(), self._staging_generation, self._buffers_key(grads), out.data_ptr(),
+               float(alpha), bool(accumulate))
+        program_key = (key, base_seq % self.n_slots, min(base_seq, self.n_slots))
+        program = None if self.faults else self._programs.get(program_key)
+        if program is None:
+            recorder = ProgramRecorder(base=base_seq)
+            outputs = self._record_reduce_scatter(recorder, layout, plan, grads, out, alpha, accumulate, base_seq)
+            program = self.dev.compile(recorder, outputs)
+            if not self.faults:  # fault injection varies by chunk number: record every call afresh
+                self._remember(program_key, program)
+        pushed, summed = program.replay(self.dev.current_stream(), base_seq)
+        me = self.rank
+        self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")
+        self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")
+        return CudaWork(self, [pushed, summed])
 
+    def _record_reduce_scatter(self, dev, layout, plan, grads, out, alpha, accumulate, base_seq) -> list[int]:
+        """The call's device work issued on ``dev`` (a ProgramRecorder); returns [pushed, summed] events."""
+        chunks, copies, launches, order = plan
+        me, n_slots = self.rank, self.n_slots
+        itemsize = grads[0].element_size()
+        grad_ptr = [g.data_ptr() for g in grads]
+        out_ptr = out.data_ptr()
         start = dev.record(dev.current_stream())
         dev.wait_event(self.s_push, start)
         dev.wait_event(self.s_sum, start)
-        out_ptr = out.data_ptr()
-        # Chunk by chunk, push then sum. The host enqueue order matters: CUDA maps streams onto a
-        # few hardware FIFOs, and a blocked wait stalls everything enqueued after it on that FIFO.
-        # In this order every wait targets work that every rank enqueued earlier (the push of
-        # chunk q waits for the peers' sum of chunk q - n_slots; the sum of chunk q for the
-        # peers' push of chunk q), so progress never depends on how streams alias.
+        # Chunk by chunk, push then sum. The enqueue order matters: CUDA maps streams onto a few
+        # hardware FIFOs, and a blocked wait stalls everything enqueued after it on that FIFO. In
+        # this order every wait targets work that every rank enqueued earlier (the push of chunk q
+        # waits for the peers' sum of chunk q - n_slots; the sum of chunk q for the peers' push of
+        # chunk q), so progress never depends on how streams alias.
         for k, chunk in enumerate(chunks):
             q = base_seq + k
             slot = q % n_slots
             # Source side: push my rows of every owner into the owner's staging slot.
             if q >= n_slots and not self.faults.get("early_reuse"):
                 dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
-            dev.copy_batch(self.s_push, [self._staging_slot(self.staging.peer_ptrs[owner], owner, me, slot) + offset
-                                         for owner, offset, _, _ in pushes[k]],
-                           [src for _, _, src, _ in pushes[k]], [n for _, _, _, n in pushes[k]])
+            dev.copy_batch(self.s_push,
+                           [self._staging_slot(self.staging.peer_ptrs[cp.owner], cp.owner, me, slot)
+                            + cp.staging_offset * itemsize for cp in copies[k]],
+                           [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies[k]],
+                           [cp.length * itemsize for cp in copies[k]])
             dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL), q + 1)
             # Owner side: sum once every peer's rows arrived, then return the slot's credit.
             dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL), q + 1)
             staged = [self._staging_slot(self.staging.ptr, me, u, slot) for u in order]
-            for first, count, segments in sums[k]:
-                dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged, segments, first, count, float(alpha),
-                        bool(accumulate), grads[0].dtype, self.config.sum_ctas)
+            for first, count, segments in launches[k]:
+                dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
+                        [(sg.out_offset - chunk.start, sg.length, sg.valid, grad_ptr[sg.param] + sg.src_offset * itemsize)
+                         for sg in segments],
+                        first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
                 # credit only matters when nothing newer follows it, so the fault drops them from q on
                 dev.write_flags(self.s_sum, self._peer_flags(RS_CREDIT), q + 1)
-        pushed = dev.record(self.s_push)
-        summed = dev.record(self.s_sum)
-        self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")
-        self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")
-        return CudaWork(self, [pushed, summed])
+        return [dev.record(self.s_push), dev.record(self.s_sum)]
 
     def close(self) -> None:
         """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""

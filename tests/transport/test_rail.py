@@ -1,0 +1,82 @@
+"""Rail transport selection, the nccl_rma availability probe and the p2p rail's signal words."""
+
+from __future__ import annotations
+
+import pytest
+
+from tide_core import TransportError
+from tide_core.config import TIDEConfig
+from tide_core.plan import Topology
+from tide_core.runtime.arena import Segment
+from tide_core.runtime.program import ProgramRecorder
+from tide_core.transport import cuda_unavailable_reason
+from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, make_rail, nccl_rma_unavailable_reason
+
+
+class _FakeSegment(Segment):
+    def __init__(self, nbytes, ptr, peer_ptrs):
+        self.name, self.nbytes, self.peer_ptrs, self._ptr = "fake", nbytes, peer_ptrs, ptr
+
+    @property
+    def ptr(self):
+        return self._ptr
+
+
+def test_nccl_version_codes_decode():
+    assert _version_tuple(22809) == (2, 28, 9)
+    assert _version_tuple(23102) == (2, 31, 2)
+    assert _version_tuple(2708) == (2, 7, 8)
+
+
+def test_nccl_rma_is_refused_below_2_31_with_the_reason():
+    reason = nccl_rma_unavailable_reason((2, 28, 9))
+    assert "NCCL 2.28.9 < 2.31.0" in reason and "ncclPutSignal" in reason
+    assert "not built" in nccl_rma_unavailable_reason((2, 31, 0), library="")
+
+
+def test_rail_selection():
+    topo = Topology(2, 1)
+    flags = _FakeSegment(P2PRail.flag_bytes(topo, 6), 0x1000, [0x1000, 0x9000])
+    assert isinstance(make_rail("auto", topo, 0, flags, 6, single_host=True), P2PRail)
+    with pytest.raises(TransportError, match="one host"):
+        make_rail("p2p", topo, 0, flags, 6, single_host=False)
+    with pytest.raises(TransportError, match="nccl_rma"):
+        make_rail("auto", topo, 0, flags, 6, single_host=False)
+    with pytest.raises(ValueError, match="rail='bogus'"):
+        make_rail("bogus", topo, 0, flags, 6, single_host=True)
+    with pytest.raises(ValueError, match="rail="):
+        TIDEConfig(rail="bogus")
+
+
+def test_cuda_transport_serves_emulated_nodes_on_one_host_only():
+    import torch
+
+    from tide_core.runtime import native
+
+    topo = Topology(2, 2)
+    assert "CUDA tensors" in cuda_unavailable_reason(topo, torch.device("cpu"))
+    if native.load_error() is not None:
+        pytest.skip("tide_core._C is not built here")
+    cuda = torch.device("cuda", 0)
+    assert cuda_unavailable_reason(topo, cuda, single_host=True) is None  # p2p rail
+    across_hosts = cuda_unavailable_reason(topo, cuda, single_host=False)
+    assert "2 nodes" in across_hosts and "nccl_rma" in across_hosts
+    assert "nccl_rma" in cuda_unavailable_reason(topo, cuda, single_host=True, rail="nccl_rma")
+
+
+def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():
+    topo = Topology(3, 2)  # rank 3 = node 1, local 1; its rail peers are ranks 1 and 5
+    peers = [0x10000 * (r + 1) for r in range(6)]
+    flags = _FakeSegment(P2PRail.flag_bytes(topo, 6), peers[3], peers)
+    rail = P2PRail(topo, 3, flags, 6)
+    window = _FakeSegment(1 << 20, 0, [0x100000 * (r + 1) for r in range(6)])
+    rec = ProgramRecorder(base=7)
+    rail.put(rec, "s", 2, window, [64, 128], [11, 12], [5, 6])
+    rail.signal(rec, "s", 2, 4, 8)
+    rail.wait(rec, "s", 0, 4, 7)
+    put, signal, wait = rec.ops
+    assert put == ("copy_batch", "s", [window.peer_ptrs[5] + 64, window.peer_ptrs[5] + 128], [11, 12], [5, 6])
+    assert signal == ("write_flags", "s", [peers[5] + FLAG_LINE * (4 * 3 + 1)], 1)  # slot 4, sender node 1
+    assert wait == ("wait_flags", "s", [peers[3] + FLAG_LINE * (4 * 3 + 0)], 0)  # slot 4, from node 0
+    with pytest.raises(ValueError, match="slot 6"):
+        rail.signal(rec, "s", 2, 6, 8)

@@ -48,15 +48,16 @@ void StreamProgram::wait_event(uint64_t stream, int event) {
 }
 
 void StreamProgram::write_flags(uint64_t stream, const std::vector<uint64_t>& addresses, int64_t value_offset) {
-  Op op{Op::kWriteFlags};
-  op.stream = stream;
-  op.addresses = addresses;
-  op.value_offset = value_offset;
-  ops_.push_back(std::move(op));
+  add_flag_op(Op::kWriteFlags, stream, addresses, value_offset);
 }
 
 void StreamProgram::wait_flags(uint64_t stream, const std::vector<uint64_t>& addresses, int64_t value_offset) {
-  Op op{Op::kWaitFlags};
+  add_flag_op(Op::kWaitFlags, stream, addresses, value_offset);
+}
+
+void StreamProgram::add_flag_op(int kind, uint64_t stream, const std::vector<uint64_t>& addresses,
+                                int64_t value_offset) {
+  Op op{static_cast<Op::Kind>(kind)};
   op.stream = stream;
   op.addresses = addresses;
   op.value_offset = value_offset;

@@ -46,6 +46,7 @@ class StreamProgram {
 
  private:
   struct Op;
+  void add_flag_op(int kind, uint64_t stream, const std::vector<uint64_t>& addresses, int64_t value_offset);
   std::vector<Op> ops_;
   std::vector<cudaEvent_t> events_;
   std::vector<int> outputs_;

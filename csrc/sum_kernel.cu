@@ -59,6 +59,22 @@ __device__ float element_sum(const SumArgs& a, const SumSegment& seg, int64_t i)
   return __fadd_rn(acc, to_f32<T>(own[local]));
 }
 
+// Unit u (8 elements from a.first + 8u): its first element, the owner's own rows there, and whether
+// it can take the vector path (whole, inside one segment's valid rows, 16-byte aligned).
+template <typename T>
+__device__ __forceinline__ void locate_unit(const SumArgs& a, int64_t u, int64_t units, int64_t end, int64_t& i0,
+                                            const T*& own, bool& fast) {
+  i0 = a.first + 8 * u;
+  own = nullptr;
+  fast = false;
+  if (u < units) {
+    const SumSegment& seg = a.segments[find_segment(a, i0)];
+    const int64_t local = i0 - seg.offset;
+    own = reinterpret_cast<const T*>(seg.own) + local;
+    fast = i0 + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own) & 15) == 0;
+  }
+}
+
 constexpr int kThreads = 512;
 constexpr int kUnroll = 4;  // independent 8-element units per thread per iteration: loads in flight
 
@@ -72,18 +88,7 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ S
     const T* own[kUnroll];
     bool fast[kUnroll];
 #pragma unroll
-    for (int j = 0; j < kUnroll; ++j) {
-      const int64_t u = u0 + j * stride;
-      i0[j] = a.first + 8 * u;
-      own[j] = nullptr;
-      fast[j] = false;
-      if (u < units) {
-        const SumSegment& seg = a.segments[find_segment(a, i0[j])];
-        const int64_t local = i0[j] - seg.offset;
-        own[j] = reinterpret_cast<const T*>(seg.own) + local;
-        fast[j] = i0[j] + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own[j]) & 15) == 0;
-      }
-    }
+    for (int j = 0; j < kUnroll; ++j) locate_unit<T>(a, u0 + j * stride, units, end, i0[j], own[j], fast[j]);
     // Whole, aligned units: every source's 16-byte loads for all units are issued before the adds.
     float acc[kUnroll][8];
 #pragma unroll
@@ -146,18 +151,7 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
     const T* own[U];
     bool fast[U];
 #pragma unroll
-    for (int j = 0; j < U; ++j) {
-      const int64_t u = u0 + j * stride;
-      i0[j] = a.first + 8 * u;
-      own[j] = nullptr;
-      fast[j] = false;
-      if (u < units) {
-        const SumSegment& seg = a.segments[find_segment(a, i0[j])];
-        const int64_t local = i0[j] - seg.offset;
-        own[j] = reinterpret_cast<const T*>(seg.own) + local;
-        fast[j] = i0[j] + 8 <= end && local + 8 <= seg.valid && (reinterpret_cast<uintptr_t>(own[j]) & 15) == 0;
-      }
-    }
+    for (int j = 0; j < U; ++j) locate_unit<T>(a, u0 + j * stride, units, end, i0[j], own[j], fast[j]);
     uint4 raw[U][NS + 1];
 #pragma unroll
     for (int j = 0; j < U; ++j) {

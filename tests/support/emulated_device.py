@@ -248,3 +248,13 @@ def shared_memory_allocator(group, tag: str):
 
     allocate.cleanup = cleanup
     return allocate
+
+
+def shut_down(dev: EmulatedDevice, alloc) -> None:
+    """Stop the emulated streams and unlink the shared memory; after an injected fault a peer may
+    have unlinked first, which is not an error."""
+    dev.close()
+    try:
+        alloc.cleanup()
+    except Exception:
+        pass

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from tests.support.dist import run_distributed
-from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator
+from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator, shut_down
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
@@ -114,11 +114,7 @@ def _fault(rank, world_size, tag, fault, faulty_rank):
     except PeerStallTimeout as exc:
         outcome["timeout"] = str(exc)
     finally:
-        dev.close()
-        try:
-            alloc.cleanup()
-        except Exception:
-            pass
+        shut_down(dev, alloc)
     return outcome
 
 

@@ -118,7 +118,7 @@ def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[in
             if buffer_bytes is None:
                 buffer_bytes = transport.staging_bytes
             rows.append({
-                "op": kind, "size_mib": size, "S": S, "system": name, "min_ms": timing.min,
+                "op": kind, "size_mib": size, "S": S, "world_size": world_size, "system": name, "min_ms": timing.min,
                 "median_ms": timing.median, "iqr_ms": timing.spread, "gbps": moved / (timing.median * 1e-3) / 1e9,
                 "pipelined_ms": pipelined_ms, "host_ms": host_ms,
                 "kernels": kernels, "copies": copies, "buffer_bytes": buffer_bytes,
@@ -138,7 +138,9 @@ def format_rows(rows: list[dict], floor_gbps: float | None = None) -> str:
             speedup = stock["median_ms"] / r["median_ms"]
             floor = ""
             if floor_gbps and r["system"].startswith("TIDE"):
-                floor_ms = (r["S"] * 1.0) / (floor_gbps * 1e9) * 1e3
+                # every GPU pushes S to each of its N-1 peers through its own links; the measured
+                # one-peer push rate stands for the GPU's egress rate (a floor, not a model)
+                floor_ms = (r.get("world_size", 2) - 1) * r["S"] / (floor_gbps * 1e9) * 1e3
                 floor = f"{r['median_ms'] / floor_ms:.2f}x"
             pipelined_speedup = stock["pipelined_ms"] / r["pipelined_ms"]
             table.append([op.upper(), f"{size} MiB", r["system"], f"{r['min_ms']:.3f}", f"{r['median_ms']:.3f}",

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-from tide_core.bench.common import markdown_table
+from tide_core.bench.common import markdown_table, time_back_to_back
 
 MiB = 1 << 20
 
@@ -48,25 +47,6 @@ class _Case:
             joins.append(dev.record(stream))
         for event in joins:
             dev.wait_event(dev.current_stream(), event)
-
-
-def _timed(fn, calls: int = 10, repeats: int = 5) -> tuple[float, float]:
-    """(device ms per call, host us per call), medians over ``repeats`` runs of ``calls`` calls."""
-    device, host = [], []
-    for _ in range(repeats + 1):
-        dist.barrier()
-        torch.cuda.synchronize()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host.append((time.perf_counter() - t0) / calls * 1e6)
-        e.record()
-        e.synchronize()
-        device.append(s.elapsed_time(e) / calls)
-    device, host = sorted(device[1:]), sorted(host[1:])
-    return device[len(device) // 2], host[len(host) // 2]
 
 
 def run_copy_engine(rank: int, world_size: int, transport) -> list[dict]:
@@ -104,9 +84,9 @@ def run_copy_engine(rank: int, world_size: int, transport) -> list[dict]:
         for name, batches in cases.items():
             fn = _Case(dev, streams[:len(batches)], batches)
             fn()
-            device_ms, host_us = _timed(fn)
+            device_ms, host_ms = time_back_to_back(fn)
             moved = total * (2 if "+" in name else 1)
-            rows.append({"case": name, "MiB": total // MiB, "ms": device_ms, "host_us": host_us,
+            rows.append({"case": name, "MiB": total // MiB, "ms": device_ms, "host_us": host_ms * 1e3,
                          "GB/s": moved / (device_ms * 1e-3) / 1e9})
     rows.append({"case": "signal round trip (write peer flag, wait for the answer)", "MiB": 0,
                  "ms": _round_trip(transport, rank, world_size), "host_us": None, "GB/s": None})

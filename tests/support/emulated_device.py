@@ -147,7 +147,7 @@ class EmulatedDevice:
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
         self.copy_batch(stream, dsts, srcs, sizes)
 
-    def compile(self, recorder, outputs, ring=64):
+    def compile(self, recorder, outputs, ring=4):
         return ReplayedProgram(self, recorder, outputs)
 
     def write_flags(self, stream, addresses, value):

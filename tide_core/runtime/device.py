@@ -80,7 +80,9 @@ class CudaDevice:
                             stream.cuda_stream)
 
     # stream programs ---------------------------------------------------------------------------------
-    def compile(self, recorder, outputs: list[int], ring: int = 64) -> "CompiledProgram":
+    def compile(self, recorder, outputs: list[int], ring: int = 4) -> "CompiledProgram":
+        """``ring``: output events per output, so a returned event stays this call's for ``ring``
+        replays of the same program (FSDP2 waits on a group's call long before its next one)."""
         return CompiledProgram(self.lib, recorder, outputs, ring)
 
     @property

@@ -47,6 +47,7 @@ FLAG_LINE = 64  # one epoch counter per cache line
 AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT, AG_SCATTERED = range(5)  # flag kinds; one word per local rank
 FLAG_KINDS = 5
 RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # rail signal kinds, one slot per kind per Bruck round
+MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
 
 
@@ -501,7 +502,7 @@ class CudaTransport(Transport):
 
     def _remember(self, key, program):
         """Stream programs keyed by the call's buffers' addresses (FSDP2 reuses them across steps)."""
-        if len(self._programs) >= 256:
+        if len(self._programs) >= MAX_PROGRAMS:
             self._programs.pop(next(iter(self._programs)))
         self._programs[key] = program
         return program

@@ -24,6 +24,23 @@ def test_collective_benchmarks_run_on_cpu(tmp_path):
         assert written and "| op | shard S | system |" in written[0].read_text()
 
 
+def test_sweeps_traces_and_emulated_nodes_run_on_cpu(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tide_core.bench", "ag", "--sizes", "1", "--iters", "2", "--nodes", "2", "--trace",
+         "--sweep", "chunk_mib=4,8", "--out", str(tmp_path), "--scratch", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    systems = [r["system"] for r in json.loads((tmp_path / "ag.json").read_text())["rows"]]
+    assert systems[3:] == ["TIDE (reference), chunk_mib=4.0", "TIDE (reference), chunk_mib=8.0"]
+    trace = json.loads((tmp_path / "trace-ag-1-tide--reference.json").read_text())
+    assert trace and all(len(event) == 6 for event in trace)  # name, kind, thread, start, duration, bytes
+    assert list(tmp_path.glob("*-ag-2nodes-emulated-cpu.md"))
+    bad = subprocess.run([sys.executable, "-m", "tide_core.bench", "ag", "--sweep", "nonsense=1"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0 and "--sweep wants FIELD=V1,V2" in bad.stderr
+
+
 def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tide_core.bench", "train", "--models", "tiny", "--layers", "2", "--tokens", "64",

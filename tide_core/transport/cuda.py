@@ -418,7 +418,10 @@ class CudaTransport(Transport):
         S, R = layout.total_shard_bytes, len(plan.rounds)
         stage = self._ensure_ag_stage((topo.nodes - 1) * S)
         s_send, s_recv = self.s_rail, self.s_scatter
-        slot = {kind: (lambda d, kind=kind: kind * R + d) for kind in (RAIL_DATA, RAIL_ACK, RAIL_CREDIT)}
+
+        def slot(kind: int, d: int) -> int:  # one rail signal slot per kind per round
+            return kind * R + d
+
         # Area d (stage slots [2^d, 2^d + c_d)) is read by round d's scatter and by the tail of any
         # later round that forwards more than 2^d slots.
         last_tail = {d: max((d2 for d2 in range(d + 1, R) if plan.sends[d2].num_slots > 1 << d), default=None)
@@ -431,9 +434,9 @@ class CudaTransport(Transport):
             send, recv = plan.sends[d], plan.recvs[d]
             target = send.dst_node
             if not self.faults.get("rail_early_reuse"):
-                rail.wait(dev, s_send, target, slot[RAIL_CREDIT](d), e - 1)
+                rail.wait(dev, s_send, target, slot(RAIL_CREDIT, d), e - 1)
             if d > 0:
-                rail.wait(dev, s_send, target, slot[RAIL_ACK](d - 1), e)
+                rail.wait(dev, s_send, target, slot(RAIL_ACK, d - 1), e)
             base = (send.dst_slot - 1) * S
             rail.put(dev, s_send, target, stage, [base + layout.shard_offset(p) for p in range(layout.num_params)],
                      [t.data_ptr() for t in shards], [layout.shard_bytes(p) for p in range(layout.num_params)])
@@ -444,18 +447,18 @@ class CudaTransport(Transport):
                 for area in range(d):
                     if last_tail[area] == d and e < self.faults.get("rail_drop_credit_from", float("inf")):
                         dev.wait_event(s_send, scattered[area])
-                        rail.signal(dev, s_send, plan.recvs[area].src_node, slot[RAIL_CREDIT](area), e)
+                        rail.signal(dev, s_send, plan.recvs[area].src_node, slot(RAIL_CREDIT, area), e)
             if e not in self.faults.get("rail_skip_signal", ()):
-                rail.signal(dev, s_send, target, slot[RAIL_DATA](d), e)
+                rail.signal(dev, s_send, target, slot(RAIL_DATA, d), e)
 
-            rail.wait(dev, s_recv, recv.src_node, slot[RAIL_DATA](d), e)
+            rail.wait(dev, s_recv, recv.src_node, slot(RAIL_DATA, d), e)
             received.append(dev.record(s_recv))
             if d + 1 < R:
-                rail.signal(dev, s_recv, plan.recvs[d + 1].src_node, slot[RAIL_ACK](d), e)
+                rail.signal(dev, s_recv, plan.recvs[d + 1].src_node, slot(RAIL_ACK, d), e)
             self._record_scatter(dev, s_recv, plan.stage_copies[d], stage, landings)
             scattered.append(dev.record(s_recv))
             if last_tail[d] is None and e < self.faults.get("rail_drop_credit_from", float("inf")):
-                rail.signal(dev, s_recv, recv.src_node, slot[RAIL_CREDIT](d), e)
+                rail.signal(dev, s_recv, recv.src_node, slot(RAIL_CREDIT, d), e)
         # The call completes when this rank's sends are done too: the caller may then refill the
         # shards they read (and the stage they forwarded from).
         dev.wait_event(s_recv, dev.record(s_send))
@@ -544,9 +547,7 @@ class CudaTransport(Transport):
         self.rs_seq += len(plan[0])
         # The recording depends on the first chunk's slot and, for the first calls only, on which
         # chunks have an earlier use of their slot to wait for; flag values are relative to base_seq.
-        key = ("rs", layout.signature(), self._staging_generation, self._buffers_key(grads), out.data_ptr(),
-               float(alpha), bool(accumulate))
-        program_key = (key, base_seq % self.n_slots, min(base_seq, self.n_slots))
+        program_key = (key, self._staging_generation, base_seq % self.n_slots, min(base_seq, self.n_slots))
         program = None if self.faults else self._programs.get(program_key)
         if program is None:
             recorder = ProgramRecorder(base=base_seq)

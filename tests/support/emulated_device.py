@@ -85,8 +85,8 @@ class EmulatedDevice:
     def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
-        ``sum_delay_s`` / ``copy_delay_s``: slow sum kernels / 2-D copies (stage scatters), to expose
-        missing credits."""
+        ``sum_delay_s`` / ``copy_delay_s``: slow sum kernels / copy kernels and 2-D copies (the stage
+        scatters), to expose missing credits."""
         self.copy_delay_s = copy_delay_s
         self.hardware_queues = hardware_queues
         self.streams: list[EmuStream] = []
@@ -145,6 +145,8 @@ class EmulatedDevice:
         stream.submit(run)
 
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
+        if self.copy_delay_s:
+            stream.submit(lambda: time.sleep(self.copy_delay_s))
         self.copy_batch(stream, dsts, srcs, sizes)
 
     def compile(self, recorder, outputs, ring=4):

@@ -28,10 +28,7 @@ def launch(worker, args, world_size: int | None = None, backend: str | None = No
     unless already inside a torchrun-style launch (WORLD_SIZE set)."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         _init(backend)
-        try:
-            return worker(dist.get_rank(), dist.get_world_size(), args)
-        finally:
-            dist.destroy_process_group()
+        return _run(worker, args)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     world_size = world_size or (gpus if gpus >= 1 else 2)
     port = free_port()
@@ -45,8 +42,16 @@ def _entry(rank, worker, world_size, port, backend, args):
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     _init(backend)
+    _run(worker, args)
+
+
+def _run(worker, args):
     try:
-        worker(rank, world_size, args)
+        result = worker(dist.get_rank(), dist.get_world_size(), args)
+        # Leave together: a gloo rank that tears its connections down while its peer still reads
+        # from them can abort the peer ("terminate called without an active exception", seen in CI).
+        dist.barrier()
+        return result
     finally:
         dist.destroy_process_group()
 

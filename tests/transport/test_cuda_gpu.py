@@ -168,16 +168,19 @@ def test_gpu_fault_injection_is_detected(name):
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
 
 
-def _rail_suite(rank, world_size, seed):
-    """M = world_size "nodes" x L = 1 on one host: the all-gather's Bruck rounds run over the p2p rail."""
+def _rail_suite(rank, world_size, seed, mode):
+    """M = world_size "nodes" x L = 1 on one host over the p2p rail: the all-gather's Bruck rounds and
+    the reduce-scatter's per-node Level 1, rail partials and wave landing, against the reference
+    transport bit for bit (256 KiB chunks: several per Level-1 step)."""
     from tide_core.transport.cuda import CudaTransport
     from tide_core.transport.reference import ReferenceTransport
 
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
-    t = CudaTransport(topo, config=TIDEConfig(timeout_s=60, rail="p2p"))
+    t = CudaTransport(topo, config=TIDEConfig(timeout_s=60, rail="p2p", mode=mode, chunk_mib=0.25))
+    reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)
-    cases = 0
+    ag_cases = rs_cases = 0
     for case in range(3):
         shapes = random_shapes(rng, world_size, max_params=30) + [(world_size * 4096 + 5, 67)]
         lay = layout_for(shapes, world_size, 2)
@@ -192,18 +195,29 @@ def _rail_suite(rank, world_size, seed):
             torch.cuda.synchronize()
             for p in range(lay.num_params):
                 assert torch.equal(outs[p].cpu(), expected_unsharded(lay, fresh, p)), (case, step, p)
-            cases += 1
-    lay = layout_for(shapes, world_size, 2)
-    grads = [g.to(dev) for g in all_grads(seed + 5, shapes, world_size, torch.bfloat16)[rank]]
-    out, expect = (torch.empty(lay.total_shard_numel, device=dev) for _ in range(2))
-    t.reduce_scatter(lay, grads, out, alpha=0.5).wait()
-    ReferenceTransport(topo).reduce_scatter(lay, grads, expect, alpha=0.5)
-    assert torch.equal(out, expect)
+            ag_cases += 1
+        dtype = (torch.bfloat16, torch.float32, torch.bfloat16)[case]
+        grads = [torch.empty(shape, dtype=dtype, device=dev) for shape in shapes]
+        out, expect = (torch.empty(lay.total_shard_numel, device=dev) for _ in range(2))
+        for step in range(3):
+            for g, f in zip(grads, all_grads(seed + 10 * case + step, shapes, world_size, dtype)[rank]):
+                g.copy_(f)
+            alpha, accumulate = (1.0, False) if step == 0 else (1 / (3 + step), step == 2)
+            base = torch.randn(lay.total_shard_numel, generator=torch.Generator().manual_seed(step)).to(dev)
+            out.copy_(base if accumulate else torch.full_like(base, float("nan")))
+            expect.copy_(base)
+            t.reduce_scatter(lay, grads, out, alpha=alpha, accumulate=accumulate).wait()
+            reference.reduce_scatter(lay, grads, expect, alpha=alpha, accumulate=accumulate)
+            torch.cuda.synchronize()
+            assert torch.equal(out, expect), (case, step, float((out - expect).abs().max()))
+            rs_cases += 1
     t.synchronize()
-    return cases
+    return ag_cases, rs_cases
 
 
-def test_rail_all_gather_emulating_nodes_is_exact():
-    cases = run_distributed(_rail_suite, _gpus(), args=(11,), backend="nccl", timeout=150)
-    print(f"\nrail all-gather ({_gpus()} nodes x 1 GPU over p2p): {cases[0]} calls bitwise exact")
-    assert cases[0] == 9
+@pytest.mark.parametrize("mode", ["in_place", "slot_reuse"])
+def test_rail_collectives_emulating_nodes_are_exact(mode):
+    ag, rs = run_distributed(_rail_suite, _gpus(), args=(11, mode), backend="nccl", timeout=150)[0]
+    print(f"\nrail collectives ({_gpus()} nodes x 1 GPU over p2p, {mode}): {ag} all-gathers and {rs} "
+          "reduce-scatters bitwise exact")
+    assert (ag, rs) == (9, 9)

@@ -1,8 +1,10 @@
-"""The CUDA transport's multi-node all-gather (Bruck rounds over the p2p rail) on an emulated GPU.
+"""The CUDA transport's multi-node collectives over the p2p rail on an emulated GPU: the all-gather's
+Bruck rounds and the reduce-scatter's Level 1 per destination node plus Latin-square landing.
 
 M nodes x L GPUs run as M*L CPU processes sharing memory, so rail pushes, epoch signals, stage
-credits, pacing and the strided stage scatters are checked bit for bit without GPUs; the same
-code runs on real GPUs in tests/transport/test_cuda_gpu.py (M = 2 x L = 1 on two GPUs).
+and inbox credits, pacing, strided stage scatters and the wave landings are checked bit for bit
+against the reference transport without GPUs; the same code runs on real GPUs in
+tests/transport/test_cuda_gpu.py (M = 2 x L = 1 on two GPUs).
 """
 
 from __future__ import annotations
@@ -19,15 +21,16 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
-from tide_core.plan import Topology
+from tide_core.plan import Topology, latin_square_plan
 from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=20.0, copy_delay_s=0.0, hardware_queues=None):
-    dev = EmulatedDevice(copy_delay_s=copy_delay_s, hardware_queues=hardware_queues)
+def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
+               hardware_queues=None, **config):
+    dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
-    config = TIDEConfig(timeout_s=timeout_s, rail="p2p")
+    config = TIDEConfig(timeout_s=timeout_s, rail="p2p", **config)
     t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
                       faults=faults)
     return t, dev, alloc
@@ -54,13 +57,6 @@ def _all_gathers(rank, world_size, nodes, seed, tag, hardware_queues=None):
                 for p in range(lay.num_params):
                     assert torch.equal(outs[p], expected_unsharded(lay, fresh, p)), (case, step, p)
                 checked += 1
-        # reduce-scatters of a multi-node group run the same plan on the reference transport
-        lay = layout_for(shapes, world_size, 2)
-        grads = all_grads(seed + 99, shapes, world_size, torch.bfloat16)[rank]
-        out, expect = torch.empty(lay.total_shard_numel), torch.empty(lay.total_shard_numel)
-        t.reduce_scatter(lay, grads, out, alpha=0.5).wait()
-        ReferenceTransport(topo).reduce_scatter(lay, grads, expect, alpha=0.5)
-        assert torch.equal(out, expect)
         t.synchronize()
         assert not dev.errors, dev.errors
         return checked, t.ag_stage.nbytes >= (nodes - 1) * lay.total_shard_bytes
@@ -81,26 +77,101 @@ def test_rail_all_gather_is_deadlock_free_when_all_streams_share_one_hardware_qu
     assert results[0] == (6, True)
 
 
-def _rail_fault(rank, world_size, tag, fault, faulty_rank, copy_delay_s):
+def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_place", hardware_queues=None):
+    """Random layouts, bf16 and fp32 gradients, alpha and accumulate, small chunks (several per
+    Level-1 step), each layout called three times on the same buffers (recorded programs replayed):
+    bitwise equal to the reference transport with the same wave width."""
+    topo = Topology(nodes, world_size // nodes)
+    t, dev, alloc = _transport(topo, tag, hardware_queues=hardware_queues, wave_width=wave_width, mode=mode,
+                               chunk_mib=4096 / (1 << 20))
+    reference = ReferenceTransport(topo, wave_width=wave_width)
+    rng = np.random.default_rng(seed)
+    checked = 0
+    try:
+        for case, dtype in enumerate((torch.bfloat16, torch.float32)):
+            shapes = random_shapes(rng, world_size, max_params=12)
+            lay = layout_for(shapes, world_size, 2)
+            grads = [torch.empty(shape, dtype=dtype) for shape in shapes]
+            out = torch.empty(lay.total_shard_numel)
+            for step in range(3):
+                fresh = all_grads(seed + 10 * case + step, shapes, world_size, dtype)[rank]
+                for g, f in zip(grads, fresh):
+                    g.copy_(f)
+                alpha, accumulate = (1.0, False) if step == 0 else (1 / (3 + step), step == 2)
+                before = torch.randn(lay.total_shard_numel, generator=torch.Generator().manual_seed(step))
+                expect = before.clone()
+                out.copy_(before if accumulate else torch.full_like(before, float("nan")))
+                t.reduce_scatter(lay, grads, out, alpha=alpha, accumulate=accumulate).wait()
+                reference.reduce_scatter(lay, grads, expect, alpha=alpha, accumulate=accumulate)
+                t.synchronize()
+                assert torch.equal(out, expect), (case, step, (out - expect).abs().max())
+                checked += 1
+        assert not dev.errors, dev.errors
+        return checked, len(reference.waves.waves), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth
+    finally:
+        dev.close()
+        alloc.cleanup()
+
+
+@pytest.mark.parametrize("nodes,gpus_per_node,wave_width,mode", [
+    (2, 1, None, "in_place"), (3, 1, None, "in_place"), (2, 2, None, "in_place"), (2, 2, 1, "in_place"),
+    (3, 2, 2, "in_place"), (3, 2, 1, "slot_reuse"), (5, 1, None, "in_place"), (5, 1, None, "slot_reuse")])
+def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width, mode):
+    world = nodes * gpus_per_node
+    results = run_distributed(_reduce_scatters, world,
+                              args=(nodes, 7 + world, uuid.uuid4().hex[:8], wave_width, mode), timeout=300)
+    waves = -(-nodes // (wave_width or gpus_per_node))
+    # blocks: outbox (M-1 In-Place, Eq. 9 Slot-Reuse) + M inbox + a running total with several waves
+    depth = nodes - 1 if mode == "in_place" else latin_square_plan(nodes, gpus_per_node, wave_width, 2, True).outbox_depth
+    assert all(r == (6, waves, depth + nodes + (waves > 1), depth) for r in results), results
+    if (nodes, mode) == (5, "slot_reuse"):
+        assert depth < nodes - 1  # the outbox is really recycled
+
+
+def test_rail_reduce_scatter_is_deadlock_free_when_all_streams_share_one_hardware_queue():
+    results = run_distributed(_reduce_scatters, 5, args=(5, 3, uuid.uuid4().hex[:8], 1, "slot_reuse", 1), timeout=300)
+    assert results[0][0] == 6
+
+
+def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
+    """Four back-to-back calls of ``collective`` on M = world_size nodes x 1 GPU, ``fault`` injected
+    on ``faulty_rank``; the other ranks' copies (all-gather) or sums (reduce-scatter) are slowed by
+    ``delay_s`` so that early reuse overtakes them. Returns whether a result was corrupt or which
+    timeout was raised."""
     topo = Topology(world_size, 1)
     faults = fault if rank == faulty_rank else None
-    delay = copy_delay_s if rank != faulty_rank else 0.0
-    t, dev, alloc = _transport(topo, tag, faults=faults, timeout_s=2.0, copy_delay_s=delay)
-    lay = layout_for([(world_size * 64, 9), (5,), (3 * world_size + 1, 4)], world_size, 2)
+    delay = delay_s if rank != faulty_rank else 0.0
+    t, dev, alloc = _transport(topo, tag, faults=faults, timeout_s=2.0, copy_delay_s=delay if collective == "ag" else 0.0,
+                               sum_delay_s=delay if collective == "rs" else 0.0)
+    shapes = [(world_size * 64, 9), (5,), (3 * world_size + 1, 4)]
+    lay = layout_for(shapes, world_size, 2)
     landings = [t.landing_buffers(lay, slot=call, dtype=torch.bfloat16) for call in range(4)]  # collective
     outcome = {"timeout": None, "corrupt": False}
+    expected = []  # reduce-scatter results, computed collectively before any fault can stop a rank
+    for call in range(4 if collective == "rs" else 0):
+        expected.append(torch.empty(lay.total_shard_numel))
+        ReferenceTransport(topo).reduce_scatter(lay, all_grads(call, shapes, world_size, torch.bfloat16)[rank],
+                                                expected[-1])
     try:
         pending = []
         for call in range(4):
-            shards = all_shards(call, lay, torch.bfloat16)
-            for o in landings[call]:
-                o.fill_(float("nan"))
-            pending.append((t.all_gather(lay, shards[rank], landings[call]), shards, landings[call]))
+            if collective == "ag":
+                shards = all_shards(call, lay, torch.bfloat16)
+                for o in landings[call]:
+                    o.fill_(float("nan"))
+                pending.append((t.all_gather(lay, shards[rank], landings[call]), shards, landings[call]))
+            else:
+                grads = all_grads(call, shapes, world_size, torch.bfloat16)[rank]
+                out = torch.full((lay.total_shard_numel,), float("nan"))
+                pending.append((t.reduce_scatter(lay, grads, out), expected[call], out))
         t.synchronize()
-        for work, shards, outs in pending:
+        for work, inputs, outs in pending:
             work.wait()
-            outcome["corrupt"] |= any(not torch.equal(outs[p], expected_unsharded(lay, shards, p))
-                                      for p in range(lay.num_params))
+            if collective == "ag":
+                outcome["corrupt"] |= any(not torch.equal(outs[p], expected_unsharded(lay, inputs, p))
+                                          for p in range(lay.num_params))
+            else:
+                outcome["corrupt"] |= not torch.equal(outs, inputs)
     except PeerStallTimeout as exc:
         outcome["timeout"] = str(exc)
     finally:
@@ -108,18 +179,21 @@ def _rail_fault(rank, world_size, tag, fault, faulty_rank, copy_delay_s):
     return outcome
 
 
-RAIL_FAULTS = {
-    "skip a rail data signal": ({"rail_skip_signal": {2}}, "timeout", 0.0),
-    "drop stage credits": ({"rail_drop_credit_from": 2}, "timeout", 0.0),
-    "reuse the stage early": ({"rail_early_reuse": True}, "corrupt", 0.05),
-    "reorder calls": ({"reorder_call": 1}, "corrupt or timeout", 0.0),
+RAIL_FAULTS = {  # name: (collective, fault, expected outcome, delay of the other ranks)
+    "all-gather: skip a rail data signal": ("ag", {"rail_skip_signal": {2}}, "timeout", 0.0),
+    "all-gather: drop stage credits": ("ag", {"rail_drop_credit_from": 2}, "timeout", 0.0),
+    "all-gather: reuse the stage early": ("ag", {"rail_early_reuse": True}, "corrupt", 0.05),
+    "all-gather: reorder calls": ("ag", {"reorder_call": 1}, "corrupt or timeout", 0.0),
+    "reduce-scatter: skip a rail data signal": ("rs", {"rail_skip_signal": {2}}, "timeout", 0.0),
+    "reduce-scatter: drop inbox credits": ("rs", {"rail_drop_credit_from": 2}, "timeout", 0.0),
+    "reduce-scatter: reuse the inbox early": ("rs", {"rail_early_reuse": True}, "corrupt", 0.05),
 }
 
 
 @pytest.mark.parametrize("name", list(RAIL_FAULTS))
 def test_rail_fault_injection_is_detected(name):
-    fault, expected, delay = RAIL_FAULTS[name]
-    outcomes = run_distributed(_rail_fault, 2, args=(uuid.uuid4().hex[:8], fault, 0, delay), timeout=120)
+    collective, fault, expected, delay = RAIL_FAULTS[name]
+    outcomes = run_distributed(_rail_fault, 2, args=(uuid.uuid4().hex[:8], collective, fault, 0, delay), timeout=120)
     print(f"\n{name}: {outcomes}")
     if expected == "timeout":  # fail-stop: the starved rank raises a named timeout instead of hanging
         assert any(o["timeout"] and "did not complete within 2 s" in o["timeout"] for o in outcomes)

@@ -113,8 +113,8 @@ class TIDEHandle:
             device = "GPU(s)" if t.device.type == "cuda" else f"{t.device.type} process(es)"
             lines.append(f"  transport: {t.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {device})")
             if getattr(t, "rail", None) is not None:
-                lines.append("    reduce-scatters run on the reference transport (Level 2 over rails is not built; "
-                             "docs/multinode.md)")
+                lines.append(f"    {t.rail.name} rail; reduce-scatter Level 2 in {len(t.waves.waves)} Latin-square "
+                             f"wave(s) of width {t.waves.wave_width}")
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
             status = f"TIDE, {e.served.placement}" if e.served else f"stock: {e.reason}"

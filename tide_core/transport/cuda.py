@@ -23,19 +23,24 @@ operations. Arithmetic is exactly the reference transport's, so results are bitw
 Multi-node groups (M nodes x L GPUs): the all-gather adds the Bruck rounds of Section 3.1 over a
 rail transport (``tide_core.transport.rail``): pushes into the rail peers' receive stage with
 epoch signals, per-area stage credits and lead-based pacing, then strided scatters of the stage
-into every local GPU's landing. The reduce-scatter's Level 2 over rails is not built yet; it runs
-on the reference transport (docs/multinode.md).
+into every local GPU's landing. The reduce-scatter runs Level 1 once per destination node (the
+chunk machinery above, writing fp32 node partials into an outbox), sends each partial over the rail
+into its destination's inbox block as soon as each chunk is summed, and lands the Latin-square
+waves with the sum kernel reading the wave's blocks where they lie (a node peer's inbox over P2P);
+see ``_record_rs_level2``.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tide_core.errors import TransportError
-from tide_core.plan import GroupLayout, Topology, allgather_plan, chunk_segments, level1_copies, level1_order
+from tide_core.plan import (GroupLayout, Topology, allgather_plan, chunk_segments, latin_square_plan, level1_copies,
+                            level1_order)
 from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
@@ -44,9 +49,12 @@ from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
 
 FLAG_LINE = 64  # one epoch counter per cache line
-AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT, AG_SCATTERED = range(5)  # flag kinds; one word per local rank
-FLAG_KINDS = 5
-RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # rail signal kinds, one slot per kind per Bruck round
+# Flag kinds, one word per local rank. RS_INBOX: "the inbox block you sum arrived" (holder to
+# summer); RS_READ: "I read the block you hold" (summer to holder); both for multi-node groups.
+AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT, AG_SCATTERED, RS_INBOX, RS_READ = range(7)
+FLAG_KINDS = 7
+RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one slot per kind per Bruck round
+RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
 
@@ -80,6 +88,17 @@ class _DeferredWork:
         if self.inner is None:
             raise TransportError("reordered call was never issued (fault injection)")
         return self.inner.wait()
+
+
+@dataclass(frozen=True)
+class _Level1Step:
+    contributor: int  # c: this node is contributor c of node dest_node (c = M: its own node)
+    dest_node: int
+    dest_rank: int  # the destination whose node partial this rank forms in the step
+    chunks: list
+    copies: list  # per chunk: the Level1Copy pushes this rank issues
+    launches: list  # per chunk: sum kernel launches (first, count, segments)
+    order: list  # staged node peers' local ranks, in the order their contributions are added
 
 
 class CudaTransport(Transport):
@@ -116,21 +135,22 @@ class CudaTransport(Transport):
         self.flags = self.arena.segment("flags", FLAG_LINE * FLAG_KINDS * L)
         self.flags.base.zero_()
         self.rail = None
-        self._rs_multinode = None
+        self.waves = None
         if topology.nodes > 1:
             from tide_core.transport.rail import P2PRail, make_rail
-            from tide_core.transport.reference import ReferenceTransport
 
-            slots = 3 * max(1, num_rounds(topology.nodes))
+            self._rs_rail_slot0 = 3 * max(1, num_rounds(topology.nodes))  # after the all-gather's slots
+            slots = self._rs_rail_slot0 + 2
             rail_flags = self.arena.segment("rail_flags", P2PRail.flag_bytes(topology, slots))
             rail_flags.base.zero_()
             self.rail = make_rail(self.config.rail, topology, self.rank, rail_flags, slots, single_host=single_host)
             self.name = f"cuda, {self.rail.name} rail"
-            # Level 2 of the reduce-scatter over rails is not built yet (docs/multinode.md): until it
-            # is, multi-node reduce-scatters run the same plan on the reference transport.
-            self._rs_multinode = ReferenceTransport(topology, group, wave_width=self.config.wave_width,
-                                                    round_width=self.config.round_width,
-                                                    validate=self.config.validate_calls, device=self.device)
+            # Slot-Reuse trades speed for memory here too: its outbox recycles blocks (Eq. 9).
+            self.waves = latin_square_plan(topology.nodes, L, self.config.wave_width, self.config.round_width,
+                                           memory_efficient=self.config.mode == "slot_reuse").validate()
+            if self.waves.wave_width - 1 > self.dev.max_sources:
+                raise TransportError(f"wave_width={self.waves.wave_width}: the sum kernel reads at most "
+                                     f"{self.dev.max_sources + 1} blocks per wave")
         self.dev.synchronize()
         dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
 
@@ -141,8 +161,10 @@ class CudaTransport(Transport):
         self.s_push = self.dev.stream(priority=-1)
         self.s_sum = self.dev.stream(priority=-1)
         if self.rail is not None:
-            self.s_rail = self.dev.stream(priority=-1)  # rail sends of the Bruck rounds
+            self.s_rail = self.dev.stream(priority=-1)  # rail sends (Bruck rounds, node partials)
             self.s_scatter = self.dev.stream(priority=-1)  # rail receives and stage scatters
+            self.s_rs_rail = self.dev.stream(priority=-1)  # reduce-scatter partials (apart from the all-gather's sends)
+            self.s_relay = self.dev.stream(priority=-1)  # inbox arrivals and read credits between node peers
         self.ag_stage = None
         self._ag_stage_generation = 0
         self.ag_epoch = 0
@@ -158,6 +180,10 @@ class CudaTransport(Transport):
         self.staging = None
         self.slot_bytes = 0
         self._staging_generation = 0
+        self.rs_blocks = None  # multi-node reduce-scatter: outbox, inbox and wave-total blocks
+        self.block_bytes = 0
+        self._blocks_generation = 0
+        self.rs_calls = 0
         self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall,
                                  abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
 
@@ -204,7 +230,8 @@ class CudaTransport(Transport):
 
     @property
     def staging_bytes(self) -> int:
-        return 0 if self.staging is None else self.staging.nbytes
+        """Reduce-scatter buffers: the Level-1 staging and, for multi-node groups, the partial blocks."""
+        return sum(seg.nbytes for seg in (self.staging, self.rs_blocks) if seg is not None)
 
     # -- arena helpers -----------------------------------------------------------------------------
     def shard_buffers(self, layout: GroupLayout, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
@@ -465,18 +492,29 @@ class CudaTransport(Transport):
         return dev.record(s_recv)
 
     # -- reduce-scatter ---------------------------------------------------------------------------------
-    def _rs_plan(self, layout: GroupLayout, chunk_elems: int):
+    def _rs_plan(self, layout: GroupLayout, chunk_elems: int) -> list["_Level1Step"]:
+        """Level-1 steps of a call, c = 1..M (node n reduces for node (n + c) mod M; c = M is its
+        own node, the only step when M = 1): the destination rank this rank owns in the step, its
+        chunks and kernel launches, the copies by chunk, and the staged peers' local ranks in the
+        order they are added."""
         key = ("rs", layout.signature(), chunk_elems)
         if key in self._plans:
             return self._plans[key]
-        chunks = chunk_segments(layout, self.rank, chunk_elems)
-        by_chunk: list[list] = [[] for _ in chunks]
-        for cp in level1_copies(layout, self.topology, self.rank, chunk_elems):
-            by_chunk[cp.chunk].append(cp)
-        launches = [self._split_launches(ch) for ch in chunks]
-        order = [r for r in level1_order(self.topology, self.rank, 0) if r != self.rank]
-        self._plans[key] = (chunks, by_chunk, launches, order)
-        return self._plans[key]
+        topo, n, u = self.topology, self.node, self.local
+        copies = level1_copies(layout, topo, self.rank, chunk_elems)
+        steps = []
+        for c in range(1, topo.nodes + 1):
+            m = (n + c) % topo.nodes
+            dest = topo.rank(m, (u + c % topo.nodes) % topo.gpus_per_node)  # level1_owner(dest, n) == u
+            chunks = chunk_segments(layout, dest, chunk_elems)
+            by_chunk: list[list] = [[] for _ in chunks]
+            for cp in copies:
+                if topo.node_of(cp.dest_rank) == m:
+                    by_chunk[cp.chunk].append(cp)
+            order = [topo.local_of(r) for r in level1_order(topo, dest, n) if r != self.rank]
+            steps.append(_Level1Step(c, m, dest, chunks, by_chunk, [self._split_launches(ch) for ch in chunks], order))
+        self._plans[key] = steps
+        return steps
 
     def _split_launches(self, chunk) -> list[tuple[int, int, list]]:
         """(first, count, segments) per kernel launch: at most MAX_SEGMENTS segments each, split at
@@ -523,13 +561,40 @@ class CudaTransport(Transport):
         self.staging = self.arena.segment(f"staging{self._staging_generation}", sources * self.n_slots * slot_bytes)
 
     def _staging_slot(self, base: int, owner: int, source: int, slot: int) -> int:
-        """Address of ``source``'s slot inside ``owner``'s staging (``base``: the owner's segment)."""
+        """Address of ``source``'s slot inside ``owner``'s staging (local ranks; ``base``: the owner's segment)."""
         index = source if source < owner else source - 1  # owners stage only their L-1 peers
         return base + (index * self.n_slots + slot) * self.slot_bytes
 
+    @property
+    def rs_block_count(self) -> int:
+        """Multi-node reduce-scatter blocks of one fp32 node partial each: the outbox (n_out blocks,
+        Eq. 9: M-1 In-Place, recycled Slot-Reuse), the inbox (M blocks: block c - 1 receives
+        contributor c, block M - 1 is the own node's partial, the spare) and, with more than one
+        wave, the running total."""
+        return self.waves.outbox_depth + self.topology.nodes + (len(self.waves.waves) > 1)
+
+    def _ensure_rs_blocks(self, needed_block_bytes: int) -> None:
+        """Grown like the staging; all ranks grow at the same call."""
+        block_bytes = -(-needed_block_bytes // 512) * 512
+        if self.rs_blocks is not None and block_bytes <= self.block_bytes:
+            return
+        self._blocks_generation += 1
+        self.block_bytes = block_bytes
+        self.rs_blocks = self.arena.segment(f"rs_blocks{self._blocks_generation}", self.rs_block_count * block_bytes)
+
+    def _outbox(self, c: int) -> int:
+        return self.rs_blocks.ptr + (c - 1) % self.waves.outbox_depth * self.block_bytes
+
+    def _inbox_offset(self, c: int) -> int:
+        return (self.waves.outbox_depth + c - 1) * self.block_bytes
+
+    def _wave_total(self) -> int:
+        return self.rs_blocks.ptr + (self.waves.outbox_depth + self.topology.nodes) * self.block_bytes
+
+    def _rs_rail_slot(self, kind: int) -> int:
+        return self._rs_rail_slot0 + kind
+
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False):
-        if self._rs_multinode is not None:
-            return self._rs_multinode.reduce_scatter(layout, grads, out, alpha=alpha, accumulate=accumulate)
         key = ("rs", layout.signature(), self._buffers_key(grads),
                (out.data_ptr(), out.numel(), out.dtype) if isinstance(out, torch.Tensor) else None, alpha, accumulate)
         if key not in self._checked:
@@ -541,17 +606,21 @@ class CudaTransport(Transport):
             self._check_alive()
         itemsize = grads[0].element_size()
         self._ensure_staging(layout.total_shard_numel * itemsize)
+        if self.rail is not None:
+            self._ensure_rs_blocks(layout.total_shard_numel * 4)
         chunk_elems = self.slot_bytes // itemsize // 8 * 8
-        plan = self._rs_plan(layout, chunk_elems)
+        steps = self._rs_plan(layout, chunk_elems)
         base_seq = self.rs_seq
-        self.rs_seq += len(plan[0])
+        self.rs_seq += sum(len(step.chunks) for step in steps)
+        self.rs_calls += 1
         # The recording depends on the first chunk's slot and, for the first calls only, on which
         # chunks have an earlier use of their slot to wait for; flag values are relative to base_seq.
-        program_key = (key, self._staging_generation, base_seq % self.n_slots, min(base_seq, self.n_slots))
+        program_key = (key, self._staging_generation, self._blocks_generation, base_seq % self.n_slots,
+                       min(base_seq, self.n_slots))
         program = None if self.faults else self._programs.get(program_key)
         if program is None:
             recorder = ProgramRecorder(base=base_seq)
-            outputs = self._record_reduce_scatter(recorder, layout, plan, grads, out, alpha, accumulate, base_seq)
+            outputs = self._record_reduce_scatter(recorder, layout, steps, grads, out, alpha, accumulate, base_seq)
             program = self.dev.compile(recorder, outputs)
             if not self.faults:  # fault injection varies by chunk number: record every call afresh
                 self._remember(program_key, program)
@@ -561,37 +630,47 @@ class CudaTransport(Transport):
         self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")
         return CudaWork(self, [pushed, summed])
 
-    def _record_reduce_scatter(self, dev, layout, plan, grads, out, alpha, accumulate, base_seq) -> list[int]:
+    def _record_reduce_scatter(self, dev, layout, steps, grads, out, alpha, accumulate, base_seq) -> list[int]:
         """The call's device work issued on ``dev`` (a ProgramRecorder); returns [pushed, summed] events."""
-        chunks, copies, launches, order = plan
-        me, n_slots = self.rank, self.n_slots
-        itemsize = grads[0].element_size()
-        grad_ptr = [g.data_ptr() for g in grads]
-        out_ptr = out.data_ptr()
         start = dev.record(dev.current_stream())
         dev.wait_event(self.s_push, start)
         dev.wait_event(self.s_sum, start)
+        if self.rail is None:  # one node: Level 1 is the whole collective
+            self._record_level1(dev, layout, steps[0], grads, out.data_ptr(), alpha, accumulate, base_seq)
+        else:
+            self._record_rs_level2(dev, layout, steps, grads, out, alpha, accumulate, base_seq, start)
+        return [dev.record(self.s_push), dev.record(self.s_sum)]
+
+    def _record_level1(self, dev, layout, step, grads, out_ptr, alpha, accumulate, first_seq, after_chunk=None):
+        """Level 1 of ``step``: this node's contributions to each destination of node ``step.dest_node``,
+        chunk by chunk, push then sum into ``out_ptr`` (the packed fp32 output of ``step.dest_rank``
+        or its node partial). ``after_chunk(k, chunk)`` is called after chunk k's sum was issued."""
+        me, n_slots = self.local, self.n_slots
+        itemsize = grads[0].element_size()
+        grad_ptr = [g.data_ptr() for g in grads]
         # Chunk by chunk, push then sum. The enqueue order matters: CUDA maps streams onto a few
         # hardware FIFOs, and a blocked wait stalls everything enqueued after it on that FIFO. In
         # this order every wait targets work that every rank enqueued earlier (the push of chunk q
         # waits for the peers' sum of chunk q - n_slots; the sum of chunk q for the peers' push of
         # chunk q), so progress never depends on how streams alias.
-        for k, chunk in enumerate(chunks):
-            q = base_seq + k
+        for k, chunk in enumerate(step.chunks):
+            q = first_seq + k
             slot = q % n_slots
+            copies = step.copies[k]
             # Source side: push my rows of every owner into the owner's staging slot.
             if q >= n_slots and not self.faults.get("early_reuse"):
                 dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
+            owners = [self.topology.local_of(cp.owner) for cp in copies]
             dev.copy_batch(self.s_push,
-                           [self._staging_slot(self.staging.peer_ptrs[cp.owner], cp.owner, me, slot)
-                            + cp.staging_offset * itemsize for cp in copies[k]],
-                           [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies[k]],
-                           [cp.length * itemsize for cp in copies[k]])
+                           [self._staging_slot(self.staging.peer_ptrs[cp.owner], j, me, slot) + cp.staging_offset * itemsize
+                            for cp, j in zip(copies, owners)],
+                           [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
+                           [cp.length * itemsize for cp in copies])
             dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL), q + 1)
             # Owner side: sum once every peer's rows arrived, then return the slot's credit.
             dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL), q + 1)
-            staged = [self._staging_slot(self.staging.ptr, me, u, slot) for u in order]
-            for first, count, segments in launches[k]:
+            staged = [self._staging_slot(self.staging.ptr, me, j, slot) for j in step.order]
+            for first, count, segments in step.launches[k]:
                 dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
                         [(sg.out_offset - chunk.start, sg.length, sg.valid, grad_ptr[sg.param] + sg.src_offset * itemsize)
                          for sg in segments],
@@ -599,7 +678,107 @@ class CudaTransport(Transport):
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
                 # credit only matters when nothing newer follows it, so the fault drops them from q on
                 dev.write_flags(self.s_sum, self._peer_flags(RS_CREDIT), q + 1)
-        return [dev.record(self.s_push), dev.record(self.s_sum)]
+            if after_chunk is not None:
+                after_chunk(k, chunk)
+
+    def _record_rs_level2(self, dev, layout, steps, grads, out, alpha, accumulate, base_seq, start) -> None:
+        """Multi-node reduce-scatter (Sections 4.2, 5.2). Flag values are relative to ``base_seq``;
+        the call's "epoch" is ``end = base_seq + chunks``: rail data and credit words carry it, and
+        node-local inbox arrivals / reads of contributor cc carry ``base_seq + cc`` (<= end).
+
+        1. Level 1 for c = 1..M (``_record_level1``) writes fp32 node partials: c < M into outbox
+           block (c - 1) mod n_out (after the put of step c - n_out read it), c = M (the own node)
+           into inbox block M (the spare). After each chunk's sum the rail stream puts that chunk
+           into inbox block c of rank (m, u) (the destination's rail peer), having first waited for
+           that rank's credit: its previous call read the block. A data signal follows the step's
+           last chunk. The inbox has a block per contributor, so every credit a put waits for comes
+           from an earlier call: no wait in a call depends on a peer's later work in it.
+        2. Relays (L > 1): a rank holding contributor cc's block for node peer v = (u + cc) mod L
+           tells v when it arrived.
+        3. Landing, wave by wave: the sum kernel reads the wave's blocks where they lie (inbox_gpu)
+           and adds them in wave order into the running total, or, for the last (or only) wave,
+           with alpha and accumulate into ``out``. After each wave the reader tells each block's
+           holder it was read; 4. the holder returns the rail credit to the block's sender."""
+        topo, rail, waves = self.topology, self.rail, self.waves
+        M, L, n, u = topo.nodes, topo.gpus_per_node, self.node, self.local
+        E = layout.total_shard_numel
+        end = base_seq + sum(len(step.chunks) for step in steps)
+        data_slot, credit_slot = self._rs_rail_slot(RS_RAIL_DATA), self._rs_rail_slot(RS_RAIL_CREDIT)
+        call = self.rs_calls
+        # The outbox is rewritten below: the previous call's puts must be done.
+        dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
+        first_seq = base_seq
+        sent = {}  # step -> event after its puts
+        n_out = waves.outbox_depth
+        for step in steps:
+            c, m = step.contributor, step.dest_node
+            if c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
+                dev.wait_event(self.s_sum, sent[c - n_out])
+            if c == M:
+                self._record_level1(dev, layout, step, grads, self.rs_blocks.ptr + self._inbox_offset(M), 1.0, False,
+                                    first_seq)
+            else:
+                def put_chunk(k, chunk, c=c, m=m):
+                    dev.wait_event(self.s_rs_rail, dev.record(self.s_sum))
+                    if k == 0 and not self.faults.get("rail_early_reuse"):
+                        rail.wait(dev, self.s_rs_rail, m, credit_slot, base_seq)
+                    rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
+                             [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
+
+                self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq, put_chunk)
+                if call not in self.faults.get("rail_skip_signal", ()):
+                    rail.signal(dev, self.s_rs_rail, m, data_slot, end)
+                sent[c] = dev.record(self.s_rs_rail)
+            first_seq += len(step.chunks)
+
+        def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
+            return (n - cc) % M
+
+        def block(holder: int, cc: int) -> int:  # contributor cc's block in node peer ``holder``'s inbox
+            return self.rs_blocks.peer_ptrs[topo.rank(n, holder)] + self._inbox_offset(cc)
+
+        held = [(cc, (u + cc) % L) for cc in range(1, M) if (u + cc) % L != u]  # blocks I hold for node peers
+        dev.wait_event(self.s_relay, start)
+        for cc, reader in held:
+            rail.wait(dev, self.s_relay, sender(cc), data_slot, end)
+            dev.write_flags(self.s_relay, [self.peer_flag(reader, RS_INBOX, u)], base_seq + cc)
+
+        # One wave: its kernel folds alpha and accumulate into out. Several: waves add into the
+        # running total (t = w0; t += w1; ...), then out = (out) + alpha * t, as the reference does.
+        single = len(waves.waves) == 1
+        total = self._wave_total()
+        for w, wave in enumerate(waves.waves):
+            for cc in wave:
+                holder = waves.inbox_gpu(u, cc)
+                if cc == M:
+                    continue  # the spare: written by this rank's own Level 1, earlier on this stream
+                if holder == u:
+                    rail.wait(dev, self.s_sum, sender(cc), data_slot, end)
+                else:
+                    dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
+            blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in wave]
+            dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])], 0, E,
+                    float(alpha) if single else 1.0, bool(accumulate) if single else w > 0, torch.float32,
+                    self.config.sum_ctas)
+            for cc in wave:
+                holder = waves.inbox_gpu(u, cc)
+                if cc == M or call >= self.faults.get("rail_drop_credit_from", float("inf")):
+                    continue
+                if holder == u:
+                    rail.signal(dev, self.s_sum, sender(cc), credit_slot, end)
+                else:
+                    dev.write_flags(self.s_sum, [self.peer_flag(holder, RS_READ, u)], base_seq + cc)
+        if not single:
+            dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], 0, E, float(alpha), bool(accumulate),
+                    torch.float32, self.config.sum_ctas)
+        # Read credits of the blocks I hold, after every rank's landing was enqueued (above).
+        summed = dev.record(self.s_sum)
+        dev.wait_event(self.s_relay, summed)
+        for cc, reader in held:
+            dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, reader)], base_seq + cc)
+            if call < self.faults.get("rail_drop_credit_from", float("inf")):
+                rail.signal(dev, self.s_relay, sender(cc), credit_slot, end)
+        dev.wait_event(self.s_sum, dev.record(self.s_relay))
 
     def close(self) -> None:
         """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""

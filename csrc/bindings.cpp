@@ -19,18 +19,20 @@ namespace {
 using SegmentTuple = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
 
 tide::SumLaunch sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
-                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas) {
+                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
+                           int kernel) {
   std::vector<tide::SumSegment> segs;
   segs.reserve(segments.size());
   for (const auto& s : segments) {
     segs.push_back(tide::SumSegment{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)});
   }
-  return tide::make_sum_launch(out, staged, segs, first, count, alpha, accumulate, dtype, ctas);
+  return tide::make_sum_launch(out, staged, segs, first, count, alpha, accumulate, dtype, ctas, kernel);
 }
 
 void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
-                   int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, uint64_t stream) {
-  tide::launch_sum(sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas), stream);
+                   int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, uint64_t stream,
+                   int kernel) {
+  tide::launch_sum(sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel), stream);
 }
 
 void copy_kernel_py(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
@@ -56,6 +58,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "TIDE CUDA core: copy-engine batches, stream memory operations, fp32 reduce-scatter sums";
   m.attr("MAX_SOURCES") = tide::kMaxSources;
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
+  m.attr("SUM_KERNELS") = py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto),
+                                   py::arg("regs") = static_cast<int>(tide::kSumRegs),
+                                   py::arg("tma") = static_cast<int>(tide::kSumTma));
   m.def("memcpy_batch", &tide::memcpy_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"),
         py::arg("prefer_overlap") = true, py::call_guard<py::gil_scoped_release>(),
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");
@@ -68,7 +73,8 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(), "cuStreamWaitValue32 GEQ on each address.");
   m.def("launch_sum", &launch_sum_py, py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
         py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
-        py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+        py::arg("stream"), py::arg("kernel") = static_cast<int>(tide::kSumAuto),
+        py::call_guard<py::gil_scoped_release>(), "kernel: a SUM_KERNELS value (TIDEConfig.sum_kernel).");
   m.def("copy_kernel", &copy_kernel_py, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("ctas"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "Same-GPU copies of many segments in one kernel launch per 96 segments.");
@@ -90,9 +96,12 @@ PYBIND11_MODULE(_C, m) {
            py::arg("sizes"), py::arg("ctas"))
       .def("sum", [](tide::StreamProgram& p, uint64_t stream, uint64_t out, const std::vector<uint64_t>& staged,
                      const std::vector<SegmentTuple>& segments, int64_t first, int64_t count, float alpha,
-                     bool accumulate, int dtype, int ctas) {
-             p.sum(stream, sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas));
-           })
+                     bool accumulate, int dtype, int ctas, int kernel) {
+             p.sum(stream, sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel));
+           },
+           py::arg("stream"), py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
+           py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
+           py::arg("kernel") = static_cast<int>(tide::kSumAuto))
       .def("set_outputs", &tide::StreamProgram::set_outputs, py::arg("events"), py::arg("ring"))
       .def("replay", &tide::StreamProgram::replay, py::arg("caller_stream"), py::arg("base"),
            py::call_guard<py::gil_scoped_release>())

@@ -59,6 +59,17 @@ __device__ float element_sum(const SumArgs& a, const SumSegment& seg, int64_t i)
   return __fadd_rn(acc, to_f32<T>(own[local]));
 }
 
+// Elements [i, stop) one at a time: segment boundaries, padding, misalignment, the tail. Out of
+// line: inlined, this rare path took registers from the vector paths (sum_fast_kernel<T, 1, 8>
+// spilled on sm_90, several instances on sm_100).
+template <typename T>
+__device__ __noinline__ void sum_elements(const SumArgs& a, int64_t i, int64_t stop) {
+  for (; i < stop; ++i) {
+    const SumSegment& s = a.segments[find_segment(a, i)];
+    a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
+  }
+}
+
 // Unit u (8 elements from a.first + 8u): its first element, the owner's own rows there, and whether
 // it can take the vector path (whole, inside one segment's valid rows, 16-byte aligned).
 template <typename T>
@@ -121,10 +132,7 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ S
         out[1] = make_float4(finish(a, acc[j][4], p1.x), finish(a, acc[j][5], p1.y), finish(a, acc[j][6], p1.z),
                              finish(a, acc[j][7], p1.w));
       } else if (own[j] != nullptr) {  // segment boundary, padding, misalignment or the tail
-        for (int64_t i = i0[j]; i < i0[j] + 8 && i < end; ++i) {
-          const SumSegment& s = a.segments[find_segment(a, i)];
-          a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
-        }
+        sum_elements<T>(a, i0[j], i0[j] + 8 < end ? i0[j] + 8 : end);
       }
     }
   }
@@ -180,10 +188,7 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
         __stcs(out + 1, make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z),
                                     finish(a, acc[7], p1.w)));
       } else if (own[j] != nullptr) {
-        for (int64_t i = i0[j]; i < i0[j] + 8 && i < end; ++i) {
-          const SumSegment& s = a.segments[find_segment(a, i)];
-          a.out[i] = finish(a, element_sum<T>(a, s, i), a.accumulate ? a.out[i] : 0.0f);
-        }
+        sum_elements<T>(a, i0[j], i0[j] + 8 < end ? i0[j] + 8 : end);
       }
     }
   }
@@ -203,10 +208,261 @@ bool launch_fast(const SumArgs& a, int blocks, cudaStream_t s) {
   }
 }
 
+// TMA pipeline (sm_90+), 16-bit gradients with NS <= kTmaMaxStaged staged sources. In the register
+// kernels every thread locates its units (a binary search each), loads, waits, then adds and
+// stores, so an SM's reads in flight come in bursts (measured: ~56 GB/s per SM on H200). Here one
+// producer thread per CTA streams tiles of every source into shared memory with bulk copies, up
+// to kTmaMaxStages deep, so a CTA keeps ~100-200 KB of reads in flight at all times while its
+// consumer warps convert, add (same association order, same rounding) and store fp32 output.
+constexpr int kTmaConsumers = 512;                 // threads converting, adding and storing
+constexpr int kTmaThreads = kTmaConsumers + 32;    // + the producer's warp
+constexpr int kTmaMaxStages = 12;
+constexpr int kTmaMaxPieces = 16;                  // own-row bulk copies per tile; more segments go per element
+constexpr int kTmaSmemBudget = 200 * 1024;
+
+// Stage layout (16-bit elements): n_staged staged tiles, the owner's tile (elements of bulk-copied
+// pieces only), then the previous output (fp32, accumulate only).
+__host__ __device__ constexpr int tma_stage_bytes(int n_staged, int tile, bool accumulate) {
+  return tile * 2 * (n_staged + 1) + (accumulate ? tile * 4 : 0);
+}
+
+// A tile's own-row pieces [begin, end) (tile-relative elements, whole units) that are 16-byte
+// aligned at the source and fully valid; units outside every piece take the per-element path.
+struct TilePieces {
+  int count;
+  int2 piece[kTmaMaxPieces];
+};
+
+// Device code below this line up to the kernel is sm_90+ only (bulk copies, transaction counts).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+
+// Release semantics: the producer's piece table and the consumers' shared-memory reads are
+// ordered before the waiting side's acquire.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT;\n"
+      "}\n"
+      :
+      : "r"(smem_address(bar)), "r"(parity)
+      : "memory");
+}
+
+// `bytes` (a multiple of 16) from global `src` to shared `dst`, both 16-byte aligned; completes
+// `bytes` of the barrier's transaction count.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  mbarrier_expect_tx(bar, bytes);
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :
+               : "r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
+               : "memory");
+}
+
+template <typename T, int NS>
+__device__ void produce_tiles(const SumArgs& a, unsigned char* stages_mem, uint64_t* full, uint64_t* empty,
+                              TilePieces* pieces, int tile, int stages) {
+  const int64_t end = a.first + a.count;
+  const int64_t n_tiles = (a.count + tile - 1) / tile;
+  const int stage_bytes = tma_stage_bytes(NS, tile, a.accumulate);
+  int k = 0;
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, ++k) {
+    const int s = k % stages;
+    if (k >= stages) mbarrier_wait(&empty[s], (k / stages - 1) & 1);
+    const int64_t t0 = a.first + t * tile;
+    // Bulk copies cover whole units; the tail's partial unit goes per element.
+    const int64_t whole_end = t0 + ((end - t0 < tile ? end - t0 : tile) & ~int64_t{7});
+    T* stage = reinterpret_cast<T*>(stages_mem + static_cast<size_t>(s) * stage_bytes);
+    T* own_tile = stage + NS * tile;
+    int n = 0;
+    for (int g = find_segment(a, t0); g < a.n_segments && a.segments[g].offset < whole_end && n < kTmaMaxPieces;
+         ++g) {
+      const SumSegment& seg = a.segments[g];
+      const int64_t lo = ((seg.offset > t0 ? seg.offset : t0) + 7) & ~int64_t{7};
+      const int64_t valid_end = seg.offset + seg.valid;
+      const int64_t hi = valid_end < whole_end ? valid_end : whole_end;
+      const T* own = reinterpret_cast<const T*>(seg.own) + (lo - seg.offset);
+      if (hi - lo < 8 || (reinterpret_cast<uintptr_t>(own) & 15) != 0) continue;
+      const int begin = static_cast<int>(lo - t0);
+      const int len = static_cast<int>((hi - lo) & ~int64_t{7});
+      pieces[s].piece[n++] = make_int2(begin, begin + len);
+      bulk_load(own_tile + begin, own, len * sizeof(T), &full[s]);
+    }
+    pieces[s].count = n;
+    if (n > 0) {
+      const uint32_t elems = static_cast<uint32_t>(whole_end - t0);
+#pragma unroll
+      for (int j = 0; j < NS; ++j) {
+        bulk_load(stage + j * tile, reinterpret_cast<const T*>(a.staged[j]) + t0, elems * sizeof(T), &full[s]);
+      }
+      if (a.accumulate) bulk_load(stage + (NS + 1) * tile, a.out + t0, elems * 4, &full[s]);
+    }
+    mbarrier_arrive(&full[s]);
+  }
+}
+
+template <typename T, int NS>
+__device__ void consume_tiles(const SumArgs& a, const unsigned char* stages_mem, uint64_t* full, uint64_t* empty,
+                              const TilePieces* pieces, int tile, int stages) {
+  const int64_t end = a.first + a.count;
+  const int64_t n_tiles = (a.count + tile - 1) / tile;
+  const int stage_bytes = tma_stage_bytes(NS, tile, a.accumulate);
+  int k = 0;
+  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, ++k) {
+    const int s = k % stages;
+    mbarrier_wait(&full[s], (k / stages) & 1);
+    const int64_t t0 = a.first + t * tile;
+    const int len = static_cast<int>(end - t0 < tile ? end - t0 : tile);
+    const T* stage = reinterpret_cast<const T*>(stages_mem + static_cast<size_t>(s) * stage_bytes);
+    const float* previous = reinterpret_cast<const float*>(stage + (NS + 1) * tile);
+    const int n_pieces = pieces[s].count;
+    for (int e0 = 8 * static_cast<int>(threadIdx.x); e0 < len; e0 += 8 * kTmaConsumers) {
+      bool own_in_smem = false;  // pieces start and end on unit boundaries: inside one = whole
+      for (int p = 0; p < n_pieces; ++p) {
+        const int2 piece = pieces[s].piece[p];
+        own_in_smem |= piece.x <= e0 && e0 < piece.y;
+      }
+      if (!own_in_smem) {
+        sum_elements<T>(a, t0 + e0, t0 + (e0 + 8 < len ? e0 + 8 : len));
+        continue;
+      }
+      uint4 raw[NS + 1];
+#pragma unroll
+      for (int j = 0; j <= NS; ++j) raw[j] = *reinterpret_cast<const uint4*>(stage + j * tile + e0);
+      float acc[8], v[8];
+      unpack8<T>(raw[0], acc);
+#pragma unroll
+      for (int j = 1; j <= NS; ++j) {
+        unpack8<T>(raw[j], v);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
+      }
+      float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
+      if (a.accumulate) {
+        p0 = *reinterpret_cast<const float4*>(previous + e0);
+        p1 = *reinterpret_cast<const float4*>(previous + e0 + 4);
+      }
+      float4* out = reinterpret_cast<float4*>(a.out + t0 + e0);
+      __stcs(out, make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z),
+                              finish(a, acc[3], p0.w)));
+      __stcs(out + 1, make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z),
+                                  finish(a, acc[7], p1.w)));
+    }
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
+  }
+}
+
+#endif  // __CUDA_ARCH__ >= 900
+
+template <typename T, int NS>
+__global__ void __launch_bounds__(kTmaThreads, 1)
+    sum_tma_kernel(const __grid_constant__ SumArgs a, int tile, int stages) {
+  static_assert(sizeof(T) == 2, "the TMA kernel reads 16-bit gradients");
+  // Compiled out below sm_90; the host launches it only where the kernel image is sm_90+ (the trap
+  // turns a mistaken launch into an error instead of an unwritten output).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  extern __shared__ __align__(128) unsigned char stages_mem[];
+  __shared__ __align__(8) uint64_t full[kTmaMaxStages];
+  __shared__ __align__(8) uint64_t empty[kTmaMaxStages];
+  __shared__ TilePieces pieces[kTmaMaxStages];
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      mbarrier_init(&full[s], 1);
+      mbarrier_init(&empty[s], kTmaConsumers / 32);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
+  }
+  __syncthreads();
+  if (threadIdx.x < kTmaConsumers) {
+    consume_tiles<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
+  } else if (threadIdx.x == kTmaConsumers) {
+    produce_tiles<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
+  }
+#else
+  __trap();
+#endif
+}
+
+using TmaKernel = void (*)(SumArgs, int, int);
+
+template <typename T>
+TmaKernel tma_kernel(int n_staged) {
+  switch (n_staged) {
+    case 0: return sum_tma_kernel<T, 0>;
+    case 1: return sum_tma_kernel<T, 1>;
+    case 2: return sum_tma_kernel<T, 2>;
+    case 3: return sum_tma_kernel<T, 3>;
+    case 4: return sum_tma_kernel<T, 4>;
+    case 5: return sum_tma_kernel<T, 5>;
+    case 6: return sum_tma_kernel<T, 6>;
+    default: return sum_tma_kernel<T, 7>;
+  }
+}
+
+TmaKernel tma_kernel(int dtype, int n_staged) {
+  return dtype == 0 ? tma_kernel<__nv_bfloat16>(n_staged) : tma_kernel<__half>(n_staged);
+}
+
+// Whether the current GPU runs the TMA kernel's sm_90+ code: the code it runs must come from
+// compute_90+ PTX (an sm_90 GPU JIT-compiling compute_80 PTX gets the compiled-out body).
+bool tma_available() {
+  cudaFuncAttributes attr{};
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sum_tma_kernel<__nv_bfloat16, 0>)));
+  return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
+}
+
+// Tile and depth: the largest tile of 8192, 4096 or 2048 elements (two units per consumer down to
+// half a unit) that leaves at least four stages, so the single producer thread's per-tile work is
+// spread over ~32-64 KB of traffic; then as many stages as the shared-memory budget holds.
+void plan_tma(SumLaunch& l, int ctas) {
+  const SumArgs& a = l.args;
+  const TmaKernel kernel = tma_kernel(l.dtype, a.n_staged);
+  cudaFuncAttributes attr{};
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
+  int device = 0, optin = 0;
+  TIDE_CUDA_CHECK(cudaGetDevice(&device));
+  TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  const int budget = std::min(kTmaSmemBudget, optin - static_cast<int>(attr.sharedSizeBytes));
+  int tile = 16 * kTmaConsumers;
+  while (tile > 4 * kTmaConsumers && budget / tma_stage_bytes(a.n_staged, tile, a.accumulate) < 4) tile /= 2;
+  const int stages = std::min(kTmaMaxStages, budget / tma_stage_bytes(a.n_staged, tile, a.accumulate));
+  TIDE_CHECK(stages >= 2, "launch_sum: not enough shared memory for the TMA sum kernel");
+  l.kernel = kSumTma;
+  l.tile = tile;
+  l.stages = stages;
+  l.smem_bytes = stages * tma_stage_bytes(a.n_staged, tile, a.accumulate);
+  const int64_t tiles = (a.count + tile - 1) / tile;
+  l.blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), std::max<int64_t>(1, tiles)));
+  TIDE_CUDA_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, l.smem_bytes));
+}
+
 }  // namespace
 
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
-                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas) {
+                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
+                          int kernel) {
+  TIDE_CHECK(kernel == kSumAuto || kernel == kSumRegs || kernel == kSumTma,
+             "launch_sum: kernel must be 0 (auto), 1 (regs) or 2 (tma)");
   TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
   TIDE_CHECK(!segments.empty() && segments.size() <= static_cast<size_t>(kMaxSegments),
              "launch_sum: segment count must be in [1, " + std::to_string(kMaxSegments) + "]");
@@ -230,6 +486,14 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
   const int64_t units = (std::max<int64_t>(count, 0) + 7) / 8;
   l.blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), std::max<int64_t>(1, (units + kThreads - 1) / kThreads)));
   l.dtype = dtype;
+  l.kernel = kSumRegs;
+  const bool tma_applies = dtype != 2 && a.n_staged <= kTmaMaxStaged && count > 0;
+  if (kernel == kSumTma || (kernel == kSumAuto && tma_applies)) {
+    const bool available = tma_available();
+    TIDE_CHECK(available || kernel == kSumAuto, "launch_sum: sum_kernel='tma' needs a GPU of compute capability "
+                                                "9.0+ and an extension built for it (TMA bulk copies)");
+    if (available && tma_applies) plan_tma(l, ctas);
+  }
   return l;
 }
 
@@ -237,6 +501,13 @@ void launch_sum(const SumLaunch& l, uint64_t stream) {
   if (l.args.count <= 0) return;
   cudaStream_t s = as_stream(stream);
   const SumArgs& a = l.args;
+  if (l.kernel == kSumTma) {
+    int tile = l.tile, stages = l.stages;
+    void* params[] = {const_cast<SumArgs*>(&a), &tile, &stages};
+    TIDE_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(tma_kernel(l.dtype, a.n_staged)), l.blocks,
+                                     kTmaThreads, params, l.smem_bytes, s));
+    return;
+  }
   switch (l.dtype) {
     case 0: if (!launch_fast<__nv_bfloat16>(a, l.blocks, s)) sum_kernel<__nv_bfloat16><<<l.blocks, kThreads, 0, s>>>(a); break;
     case 1: if (!launch_fast<__half>(a, l.blocks, s)) sum_kernel<__half><<<l.blocks, kThreads, 0, s>>>(a); break;

@@ -28,18 +28,31 @@ struct SumArgs {
   int accumulate;
 };
 
+// Which kernel runs a sum. kSumAuto: the TMA pipeline where it applies (16-bit gradients, at most
+// kTmaMaxStaged staged sources, a kernel image built for sm_90+), else the register kernel.
+// kSumTma: the same, but an error where the GPU's kernel image has no TMA (so an A/B cannot
+// silently measure the wrong kernel). kSumRegs: always the register kernel.
+enum SumKernel { kSumAuto = 0, kSumRegs = 1, kSumTma = 2 };
+constexpr int kTmaMaxStaged = 7;
+
 struct SumLaunch {
   SumArgs args;
   int blocks;
   int dtype;
+  int kernel;      // kSumRegs or kSumTma: the one chosen at make time
+  int tile;        // TMA: elements per pipeline stage tile
+  int stages;      // TMA: pipeline depth
+  int smem_bytes;  // TMA: dynamic shared memory per CTA
 };
 
 // dtype: 0 = bfloat16, 1 = float16, 2 = float32 (the gradients' and staging's element type).
 // out[i] = (accumulate ? out[i] : 0) + alpha * (staged[0][i] + ... + staged[n-1][i] + own[i]),
 // summed in fp32 in exactly that order, alpha applied as a separate rounded multiply.
-// Checked and prepared once (a stream program keeps it); launched as often as needed.
+// Checked and prepared once (a stream program keeps it); launched as often as needed, with the
+// same device current as at make time (the TMA kernel's shared-memory opt-in is set per device).
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
-                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas);
+                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
+                          int kernel = kSumAuto);
 void launch_sum(const SumLaunch& launch, uint64_t stream);
 
 }  // namespace tide

@@ -12,6 +12,7 @@ from typing import Any
 
 MODES = ("in_place", "slot_reuse")
 TRANSPORTS = ("auto", "reference", "cuda")
+SUM_KERNELS = ("auto", "tma", "regs")
 
 
 @dataclass
@@ -33,6 +34,10 @@ class TIDEConfig:
     abort_on_stall: bool = True
     #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
     sum_ctas: int = 16
+    #: Reduce-scatter sum kernel: "tma" (bulk-copy pipeline for 16-bit gradients with <= 7 staged
+    #: peers, regs for the rest; an error on GPUs before sm_90), "regs" (register-staged loads, any
+    #: GPU), "auto" (tma where it applies, else regs).
+    sum_kernel: str = "auto"
     #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
     #: Staging = (L-1) x slots x min(chunk, one peer's rows) bytes; fewer, larger chunks cost
     #: less host enqueue time, more slots let pushes run further ahead of the sums.
@@ -66,6 +71,9 @@ class TIDEConfig:
             raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
+        if self.sum_kernel not in SUM_KERNELS:
+            raise ValueError(f"sum_kernel={self.sum_kernel!r} is not supported; "
+                             f"choose one of {', '.join(SUM_KERNELS)}")
         positive = {"max_params": self.max_params, "sum_ctas": self.sum_ctas, "chunk_slots": self.chunk_slots,
                     "copy_lanes": self.copy_lanes, "local_copy_ctas": self.local_copy_ctas, "round_width": self.round_width}
         for name, value in positive.items():

@@ -44,11 +44,12 @@ def test_sweeps_traces_and_emulated_nodes_run_on_cpu(tmp_path):
 def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "tide_core.bench", "train", "--models", "tiny", "--layers", "2", "--tokens", "64",
-         "--rounds", "1", "--steps", "2", "--loss-steps", "4", "--loss-tokens", "32", "--out", str(tmp_path),
-         "--scratch", str(tmp_path)],
+         "--rounds", "1", "--steps", "2", "--loss-steps", "4", "--loss-tokens", "32", "--memory-detail",
+         "--out", str(tmp_path), "--scratch", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--memory-detail needs CUDA" in proc.stdout  # a CPU run skips the attribution and says so
     report = next(tmp_path.glob("*-train-tiny-cpu.md")).read_text()
     assert "| 64 | in_place |" in report and "| 64 | slot_reuse |" in report
     assert "TIDE In-Place vs stock (same data)" in report

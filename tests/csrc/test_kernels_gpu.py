@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tide_core.runtime import native
+from tide_core.runtime.device import DTYPE_CODES
 
 pytestmark = pytest.mark.cuda(gpus=1)
 
@@ -56,3 +57,86 @@ def test_stream_program_replays_with_relative_flag_values():
         assert int(flag[0]) == base + 1
         assert torch.equal(dst, src)
     assert len(set(handles)) == 3 and all(lib.event_query(h) for h in handles)  # one ring entry per replay
+
+
+def _sum_layout(gen, dtype, n):
+    """Segments over a chunk of n elements and the owner's rows they point at, as launch_sum tuples,
+    plus those rows chunk-relative in fp32, the mask of valid (non-padding) elements and the buffer
+    the segments point into (the caller keeps it alive while they are used). Segments:
+    padded (valid < length, valid = 0), offsets off the 8-element grid, own rows on the chunk's
+    16-byte grid (bulk-copyable) or 2/4/8 bytes off it, and a run of small ones (more per tile than
+    the TMA kernel bulk-copies)."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    # (length, padding, own rows' byte offset from the chunk's 16-byte grid)
+    plan = [(8192 + 64, 0, 0), (8192 - 40, 40, 0), (20000, 0, 2), (8195, 13, 0), (8190, 0, 4), (8 * 1001 + 3, 5, 8)]
+    plan += [(4, 0, 0)] + [(24, (0, 3, 24)[i % 3], (0, 0, 0, 8)[i % 4]) for i in range(40)]
+    plan += [(40_000, 0, 0), (20_003, 7, 0)]
+    plan.append((n - sum(length for length, _, _ in plan), 30, 0))
+    own_buf = torch.randn(2 * n, generator=gen).to(dtype).cuda()
+    segments, own_full, mask = [], torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+    offset, src = 0, 0
+    for length, padding, misalignment in plan:
+        valid = max(length - padding, 0)
+        # element i of the chunk 16-byte aligned when i % 8 == 0, then `misalignment` bytes off
+        start = src + offset % 8 + misalignment // size
+        segments.append((offset, length, valid, own_buf.data_ptr() + start * size))
+        own_full[offset:offset + valid] = own_buf[start:start + valid].float().cpu()
+        mask[offset:offset + valid] = True
+        offset += length
+        src += (length + 23) // 8 * 8
+    return segments, own_full, mask, own_buf
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kernel", ["regs", "tma", "auto"])
+def test_sum_kernels_match_the_reference_bitwise(dtype, kernel):
+    """out = (accumulate ? out : 0) + alpha * (staged[0] + ... + staged[n-1] + own), fp32 adds left to
+    right, then one fp32 multiply, then the add: every kernel, 0..7 staged sources, bit for bit."""
+    lib = native.lib()
+    if kernel == "tma" and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA sum kernel needs sm_90+")
+    gen = torch.Generator().manual_seed(11)
+    n = 140_000
+    segments, own_full, mask, _own_rows = _sum_layout(gen, dtype, n)
+    stream = torch.cuda.current_stream().cuda_stream
+    for ns in range(8):
+        staged = [torch.randn(n, generator=gen).to(dtype) for _ in range(ns)]
+        staged_gpu = [s.cuda() for s in staged]
+        for first, count, ctas, alpha, accumulate in ((0, n, 16, 1.0, False), (8 * 37, n - 8 * 37 - 13, 3, -0.37, True),
+                                                      (8 * 2000, 8 * 3000 + 5, 64, 0.125, False)):
+            previous = torch.randn(n, generator=gen)
+            out = previous.cuda()
+            lib.launch_sum(out.data_ptr(), [s.data_ptr() for s in staged_gpu], segments, first, count, alpha,
+                           accumulate, DTYPE_CODES[dtype], ctas, stream, lib.SUM_KERNELS[kernel])
+            torch.cuda.synchronize()
+            acc = staged[0].float() if ns else own_full
+            for s in staged[1:]:
+                acc = acc + s.float()
+            if ns:
+                acc = acc + own_full
+            t = torch.where(mask, acc, torch.zeros(n)) * torch.tensor(alpha, dtype=torch.float32)
+            expect = previous.clone()
+            span = slice(first, first + count)
+            expect[span] = previous[span] + t[span] if accumulate else t[span]
+            got = out.cpu()
+            bad = (got.view(torch.int32) != expect.view(torch.int32)).nonzero().flatten()
+            assert bad.numel() == 0, (f"{kernel} {dtype} ns={ns} first={first} accumulate={accumulate}: "
+                                      f"{bad.numel()} differ, first at {bad[:5].tolist()}")
+
+
+def test_stream_program_sum_takes_the_kernel_choice():
+    lib = native.lib()
+    n, ns = 140_000, 3
+    gen = torch.Generator().manual_seed(5)
+    segments, _, _, _own_rows = _sum_layout(gen, torch.bfloat16, n)
+    staged = [torch.randn(n, generator=gen).to(torch.bfloat16).cuda() for _ in range(ns)]
+    outs = {}
+    for kernel in ("regs", "auto"):
+        out = torch.randn(n, generator=gen).cuda()
+        outs[kernel] = out
+        program = lib.StreamProgram(0)
+        program.sum(lib.CALLER_STREAM, out.data_ptr(), [s.data_ptr() for s in staged], segments, 0, n, 0.5, False,
+                    0, 4, lib.SUM_KERNELS[kernel])
+        program.replay(torch.cuda.current_stream().cuda_stream, 0)
+    torch.cuda.synchronize()
+    assert torch.equal(outs["regs"].view(torch.int32), outs["auto"].view(torch.int32))

@@ -107,7 +107,7 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
                 assert torch.equal(out, expect), (case, step, (out - expect).abs().max())
                 checked += 1
         assert not dev.errors, dev.errors
-        return checked, len(reference.waves.waves), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth
+        return checked, len(t.landing_sums), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth
     finally:
         dev.close()
         alloc.cleanup()
@@ -115,15 +115,21 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
 
 @pytest.mark.parametrize("nodes,gpus_per_node,wave_width,mode", [
     (2, 1, None, "in_place"), (3, 1, None, "in_place"), (2, 2, None, "in_place"), (2, 2, 1, "in_place"),
-    (3, 2, 2, "in_place"), (3, 2, 1, "slot_reuse"), (5, 1, None, "in_place"), (5, 1, None, "slot_reuse")])
+    (3, 2, 2, "in_place"), (3, 2, 1, "slot_reuse"), (5, 1, None, "in_place"), (5, 1, None, "slot_reuse"),
+    (4, 2, 2, "in_place")])
 def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width, mode):
     world = nodes * gpus_per_node
     results = run_distributed(_reduce_scatters, world,
                               args=(nodes, 7 + world, uuid.uuid4().hex[:8], wave_width, mode), timeout=300)
-    waves = -(-nodes // (wave_width or gpus_per_node))
-    # blocks: outbox (M-1 In-Place, Eq. 9 Slot-Reuse) + M inbox + a running total with several waves
-    depth = nodes - 1 if mode == "in_place" else latin_square_plan(nodes, gpus_per_node, wave_width, 2, True).outbox_depth
-    assert all(r == (6, waves, depth + nodes + (waves > 1), depth) for r in results), results
+    plan = latin_square_plan(nodes, gpus_per_node, wave_width, 2, mode == "slot_reuse")
+    # one landing kernel when the wave fold is a plain left fold, else one per wave plus a running total
+    kernels = 1 if all(len(w) == 1 for w in plan.waves[1:]) else len(plan.waves)
+    # blocks: outbox (M-1 In-Place, Eq. 9 Slot-Reuse) + M inbox (+ the running total)
+    depth = plan.outbox_depth
+    assert depth == (nodes - 1 if mode == "in_place" else depth)
+    assert all(r == (6, kernels, depth + nodes + (kernels > 1), depth) for r in results), results
+    if (nodes, gpus_per_node) == (4, 2):
+        assert kernels == 2  # waves [1, 2], [3, 4]: two landing kernels and the final pass
     if (nodes, mode) == (5, "slot_reuse"):
         assert depth < nodes - 1  # the outbox is really recycled
 

@@ -147,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--phases", type=lambda s: s.split(","), default=["timing", "memory", "loss"],
                    help="train phases to run (timing,memory,loss); the report combines what exists in --scratch")
     p.add_argument("--loss-tokens", type=int, default=2048)
+    p.add_argument("--memory-detail", action="store_true",
+                   help="train memory phase: record the allocator's history over the measured steps and report "
+                        "what is live at the peak (slows those steps; CUDA only)")
     p.add_argument("--sweep", type=_sweep, action="append", default=[],
                    help="ag/rs: also time TIDE with a TIDEConfig field at each value, e.g. copy_lanes=1,2,4")
     p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")

@@ -43,11 +43,51 @@ def loss_summary(losses: dict) -> tuple[str, dict]:
     return text, {"spread": spread, "tide_diff": tide_diff}
 
 
+def peak_tables(memory: dict) -> list[str]:
+    """Markdown lines: for each tokens point, what is live at each system's peak allocated, from
+    ``--memory-detail`` (rank 0); nothing when no system has it."""
+    systems = [s for s, m in memory.items() if m and any("detail" in point for point in m.values())]
+    if not systems:
+        return []
+    lines = []
+    for tokens in sorted({t for s in systems for t in memory[s]}, key=int):
+        details = {s: memory[s].get(tokens, {}).get("detail") for s in systems}
+        details = {s: d for s, d in details.items() if d}
+        names = sorted({c for d in details.values() for c in d["categories"]},
+                       key=lambda c: -max(d["categories"].get(c, 0) for d in details.values()))
+        rows = [["peak phase", *(d["phase"] for d in details.values())]]
+        rows += [[c, *(f"{d['categories'][c] / GiB:.2f}" if c in d["categories"] else "-" for d in details.values())]
+                 for c in names]
+        rows += [["= replayed peak", *(f"{d['peak_bytes'] / GiB:.2f}" for d in details.values())],
+                 ["of it resident before the measured steps", *(f"{d['resident_at_peak'] / GiB:.2f}" for d in details.values())],
+                 ["max_memory_allocated - replayed (MiB)",
+                  *(f"{(memory[s][tokens]['peak_allocated'] - d['peak_bytes']) / 2**20:.0f}" for s, d in details.items())]]
+        largest = [[s, f"{b['bytes'] / 2**20:.0f}", b["category"], "yes" if b["resident"] else "no", b["where"]]
+                   for s, d in details.items() for b in d["top_blocks"]]
+        lines += ["", f"Where the peak is, {tokens} tokens/GPU (GiB live at the peak, rank 0):", "",
+                  markdown_table(["category", *details], rows), "", f"Largest blocks live at the peak, {tokens} tokens/GPU:",
+                  "", markdown_table(["system", "MiB", "category", "resident", "allocated at (innermost first)"], largest)]
+        full = [s for s, d in details.items() if d["history_full"]]
+        if full:
+            lines += ["", f"History buffer full for {', '.join(full)}: events were lost, the attribution is wrong."]
+    lines += ["", "Replayed from the allocator's history (`--memory-detail`): resident = allocated before the measured "
+              "steps; FSDP2/TIDE rows are named by the allocating function (FSDP2 foreach_reduce's output holds the "
+              "sharded gradients). The replay counts requested sizes rounded to 512 B; the allocator counts whole "
+              "blocks, so the replay can sit under max_memory_allocated."]
+    return lines
+
+
 def write_train_report(args) -> Path:
     model = args.model
     timing = _load(args.scratch, f"{model}-timing.json")
     memory = {s: _load(args.scratch, f"{model}-memory-{s}.json") for s in ("stock", "in_place", "slot_reuse")}
     losses = _load(args.scratch, f"{model}-loss.json")
+    if timing is None and losses is None:  # a memory-only run
+        rows = [[tokens, s, f"{point['peak_allocated'] / GiB:.2f}", f"{point['peak_reserved'] / GiB:.2f}"]
+                for s, m in memory.items() if m for tokens, point in m.items()]
+        body = [markdown_table(["tokens/GPU", "system", "peak alloc GiB", "peak reserved GiB"], rows), "",
+                "Each system in its own launch; peak over two steps after a warm-up step.", *peak_tables(memory)]
+        return write_result(args.out, f"memory-{model}", f"Training step memory: {model}", "\n".join(body))
     if timing is None:  # a loss-only run
         text, _ = loss_summary(losses)
         path = write_result(args.out, f"loss-{model}", f"Loss curves on real text: {model}", text)
@@ -77,6 +117,7 @@ def write_train_report(args) -> Path:
         "",
         "Profile columns come from one traced step at the first tokens/GPU point; memory from a separate launch per "
         "system (peak over two steps after a warm-up step).",
+        *peak_tables(memory),
     ]
     if losses:
         text, _ = loss_summary(losses)

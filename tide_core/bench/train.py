@@ -6,7 +6,8 @@ reduction, fused AdamW), activation-checkpointing setting and seed for every sys
 * Timing pass: the three systems live in one process and are interleaved by round (the order
   rotates every round), so clock and thermal drift hit them equally. Median step time over the
   post-warm-up rounds, with the interquartile range.
-* Memory pass: each system alone in a fresh launch; peak allocated and reserved bytes.
+* Memory pass: each system alone in a fresh launch; peak allocated and reserved bytes. With
+  ``--memory-detail``, also where the peak is (memory_detail.py; recording slows those steps).
 * Profile: one traced step per system: layout-copy kernels, collective kernels, SM time of
   communication kernels per step.
 * Loss pass (optional): 200 steps on real text for stock (two data-order seeds, which define the
@@ -22,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from tide_core.bench import memory_detail
 from tide_core.bench.models import MODELS, Transformer
 
 SYSTEMS = ("stock", "in_place", "slot_reuse")
@@ -144,6 +146,11 @@ def timing_pass(rank: int, world_size: int, args) -> dict:
 def memory_pass(rank: int, world_size: int, args) -> dict:
     system = args.system
     config = MODELS[args.model](layers=args.layers)
+    detail = args.memory_detail and memory_detail.supported()
+    if args.memory_detail and not detail and rank == 0:
+        print("[train] --memory-detail needs CUDA and torch.cuda.memory._record_memory_history; skipped", flush=True)
+    if detail:  # before build, so that parameters, optimizer state and the arena carry their stacks
+        memory_detail.record_block_stacks()
     model, opt, _ = build(config, system, ac=args.ac)
     out = {}
     for tokens in args.tokens:
@@ -153,8 +160,17 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
             continue
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        if detail:
+            resident = memory_detail.record_events()
         timed_steps(model, opt, config.vocab, tokens, 2, rank, 1)
         out[tokens] = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+        if detail:
+            snapshot = memory_detail.stop_events()
+            if rank == 0:  # only rank 0's result is written
+                out[tokens]["detail"] = memory_detail.peak_attribution(
+                    snapshot, resident, memory_detail.step_phases(train_step), torch.cuda.current_device())
+    if detail:
+        memory_detail.stop_recording()
     del model, opt
     gc.collect()
     return out

@@ -16,11 +16,16 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 class CudaDevice:
-    """One CUDA device; every method enqueues work and returns at once unless documented."""
+    """One CUDA device; every method enqueues work and returns at once unless documented.
+    ``sum_kernel``: the reduce-scatter sum kernel (``TIDEConfig.sum_kernel``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, sum_kernel: str = "auto"):
         self.device = torch.device(device)
         self.lib = native.lib()
+        kernels = self.lib.SUM_KERNELS  # TIDEConfig.sum_kernel's names -> tide_core._C's codes
+        if sum_kernel not in kernels:
+            raise ValueError(f"sum_kernel={sum_kernel!r} is not supported; choose one of {', '.join(kernels)}")
+        self.sum_kernel = kernels[sum_kernel]
         if not self.lib.stream_memops_available():
             from tide_core.errors import TransportError
 
@@ -77,13 +82,13 @@ class CudaDevice:
     def sum(self, stream, out: int, staged: list[int], segments: list[tuple], first: int, count: int,
             alpha: float, accumulate: bool, dtype: torch.dtype, ctas: int) -> None:
         self.lib.launch_sum(out, staged, segments, first, count, alpha, accumulate, DTYPE_CODES[dtype], ctas,
-                            stream.cuda_stream)
+                            stream.cuda_stream, self.sum_kernel)
 
     # stream programs ---------------------------------------------------------------------------------
     def compile(self, recorder, outputs: list[int], ring: int = 4) -> "CompiledProgram":
         """``ring``: output events per output, so a returned event stays this call's for ``ring``
         replays of the same program (FSDP2 waits on a group's call long before its next one)."""
-        return CompiledProgram(self.lib, recorder, outputs, ring)
+        return CompiledProgram(self.lib, recorder, outputs, ring, self.sum_kernel)
 
     @property
     def max_segments(self) -> int:
@@ -116,7 +121,7 @@ class NativeEvent:
 class CompiledProgram:
     """A ``ProgramRecorder``'s recording as a ``tide_core._C.StreamProgram``: one host call per replay."""
 
-    def __init__(self, lib, recorder, outputs: list[int], ring: int):
+    def __init__(self, lib, recorder, outputs: list[int], ring: int, sum_kernel: int):
         self.lib = lib
         program = lib.StreamProgram(recorder.num_events)
 
@@ -127,7 +132,7 @@ class CompiledProgram:
             if kind == "sum":
                 out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
                 program.sum(handle(stream), out, staged, segments, first, count, alpha, accumulate,
-                            DTYPE_CODES[dtype], ctas)
+                            DTYPE_CODES[dtype], ctas, sum_kernel)
             else:
                 getattr(program, kind)(handle(stream), *args)
         program.set_outputs(outputs, ring)

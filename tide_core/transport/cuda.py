@@ -125,7 +125,7 @@ class CudaTransport(Transport):
             from tide_core.runtime.symmetric import symmetric_allocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-            backend = CudaDevice(device)
+            backend = CudaDevice(device, sum_kernel=self.config.sum_kernel)
             allocator = allocator or symmetric_allocator(self.groups.group, device)
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
@@ -571,7 +571,18 @@ class CudaTransport(Transport):
         Eq. 9: M-1 In-Place, recycled Slot-Reuse), the inbox (M blocks: block c - 1 receives
         contributor c, block M - 1 is the own node's partial, the spare) and, with more than one
         wave, the running total."""
-        return self.waves.outbox_depth + self.topology.nodes + (len(self.waves.waves) > 1)
+        return self.waves.outbox_depth + self.topology.nodes + (len(self.landing_sums) > 1)
+
+    @functools.cached_property
+    def landing_sums(self) -> list[list[int]]:
+        """Contributors summed by each landing kernel. Normally one kernel per wave; when every wave
+        after the first has one contributor (W = 1, or a single wave) the fold over waves is a plain
+        left fold over all contributors, so one kernel reads every block (same association order,
+        no running total)."""
+        waves = self.waves.waves
+        if all(len(w) == 1 for w in waves[1:]) and self.topology.nodes - 1 <= self.dev.max_sources:
+            return [[c for w in waves for c in w]]
+        return waves
 
     def _ensure_rs_blocks(self, needed_block_bytes: int) -> None:
         """Grown like the staging; all ranks grow at the same call."""
@@ -695,10 +706,11 @@ class CudaTransport(Transport):
            from an earlier call: no wait in a call depends on a peer's later work in it.
         2. Relays (L > 1): a rank holding contributor cc's block for node peer v = (u + cc) mod L
            tells v when it arrived.
-        3. Landing, wave by wave: the sum kernel reads the wave's blocks where they lie (inbox_gpu)
-           and adds them in wave order into the running total, or, for the last (or only) wave,
-           with alpha and accumulate into ``out``. After each wave the reader tells each block's
-           holder it was read; 4. the holder returns the rail credit to the block's sender."""
+        3. Landing, wave by wave (``landing_sums``): the sum kernel reads the wave's blocks where
+           they lie (inbox_gpu) and adds them in wave order into the running total, or, for a
+           single landing kernel, with alpha and accumulate into ``out``. After each kernel the
+           reader tells each block's holder it was read; 4. the holder returns the rail credit to
+           the block's sender."""
         topo, rail, waves = self.topology, self.rail, self.waves
         M, L, n, u = topo.nodes, topo.gpus_per_node, self.node, self.local
         E = layout.total_shard_numel
@@ -743,11 +755,12 @@ class CudaTransport(Transport):
             rail.wait(dev, self.s_relay, sender(cc), data_slot, end)
             dev.write_flags(self.s_relay, [self.peer_flag(reader, RS_INBOX, u)], base_seq + cc)
 
-        # One wave: its kernel folds alpha and accumulate into out. Several: waves add into the
-        # running total (t = w0; t += w1; ...), then out = (out) + alpha * t, as the reference does.
-        single = len(waves.waves) == 1
+        # One landing kernel: it folds alpha and accumulate into out. Several (one per wave): they add
+        # into the running total (t = w0; t += w1; ...), then out = (out) + alpha * t, as the
+        # reference does.
+        single = len(self.landing_sums) == 1
         total = self._wave_total()
-        for w, wave in enumerate(waves.waves):
+        for w, wave in enumerate(self.landing_sums):
             for cc in wave:
                 holder = waves.inbox_gpu(u, cc)
                 if cc == M:

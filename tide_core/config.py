@@ -43,9 +43,6 @@ class TIDEConfig:
     #: less host enqueue time, more slots let pushes run further ahead of the sums.
     chunk_mib: float = 16.0
     chunk_slots: int = 2
-    #: Reduce-scatter: start with small chunks growing to chunk_mib (x1.5 each), so the first sum
-    #: waits for a small push instead of a whole chunk (tide_core.plan.chunk_starts).
-    chunk_ramp: bool = True
     #: All-gather: copy streams the peer pushes are spread over (balanced by bytes). Each stream
     #: feeds its own copy-engine queue; the own shard's placement always has a stream of its own.
     copy_lanes: int = 2

@@ -6,7 +6,6 @@ from tide_core.plan import (
     GroupLayout,
     Topology,
     chunk_segments,
-    chunk_starts,
     inbox_gpu,
     latin_square_plan,
     level1_copies,
@@ -202,37 +201,3 @@ def test_missing_stale_zeroing_is_detected(monkeypatch):
     lay, grads = _random_case(rng, topo.world_size)
     with pytest.raises(InvariantError, match="stale block"):
         simulate_reduce_scatter(lay, topo, grads, calls=2)
-
-
-@pytest.mark.parametrize("total, chunk", [(1, 8), (7, 64), (1000, 64), (12345, 800), (10 ** 6, 65536), (4096, 4096)])
-def test_chunk_starts_cover_the_output_uniformly_or_with_a_ramp(total, chunk):
-    uniform = chunk_starts(total, chunk)
-    assert uniform == list(range(0, total, chunk))
-    ramped = chunk_starts(total, chunk, ramp=True)
-    sizes = np.diff(ramped + [total])
-    assert ramped[0] == 0 and (sizes > 0).all() and (sizes <= chunk).all()
-    assert all(start % 8 == 0 for start in ramped)
-    assert sizes[0] == min(total, max(8, chunk // 8 // 8 * 8))
-    # geometric growth (x1.5, multiples of 8) until chunk, then flat; only the last may be shorter
-    full = sizes[:-1]
-    assert all(b == min(chunk, max(a + 8, int(a * 1.5) // 8 * 8)) for a, b in zip(full, full[1:]))
-    if total >= 4 * chunk:
-        assert len(ramped) < len(uniform) + 8  # the ramp costs a handful of extra chunks
-
-
-def test_ramped_level1_copies_fill_each_chunk_within_its_bounds():
-    topo = Topology(2, 2)
-    N = topo.world_size
-    lay = GroupLayout.from_shapes([(N * 300 + 1, 37), (N - 1, 5), (8 * N, 129)], world_size=N)
-    chunk = 2048
-    for sender in range(N):
-        copies = level1_copies(lay, topo, sender, chunk, ramp=True)
-        for dest in {cp.dest_rank for cp in copies}:
-            chunks = chunk_segments(lay, dest, chunk, ramp=True)
-            assert [c.start for c in chunks] == chunk_starts(lay.total_shard_numel, chunk, ramp=True)
-            mine = [cp for cp in copies if cp.dest_rank == dest]
-            for cp in mine:
-                assert cp.staging_offset + cp.length <= chunks[cp.chunk].length
-            # every valid element of the destination is pushed exactly once
-            assert sum(cp.length for cp in mine) == sum(lay.valid_rows(p, dest) * lay.cols[p]
-                                                        for p in range(lay.num_params))

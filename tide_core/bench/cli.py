@@ -119,8 +119,7 @@ def _sweep(text: str) -> tuple[str, list]:
     known = TIDEConfig.__dataclass_fields__
     if key not in known or not values:
         raise argparse.ArgumentTypeError(f"--sweep wants FIELD=V1,V2 with FIELD one of {sorted(known)}")
-    parse = {"int": int, "float": float, "bool": lambda v: v.lower() in ("1", "true", "yes", "on")}.get(
-        str(known[key].type), str)
+    parse = {"int": int, "float": float}.get(str(known[key].type), str)
     return key, [parse(v) for v in values.split(",")]
 
 

@@ -223,34 +223,13 @@ class Chunk:
     segments: tuple[Segment, ...]
 
 
-RAMP_FIRST_FRACTION = 8  # a ramped first chunk is chunk_elems / 8 ...
-RAMP_GROWTH = 1.5  # ... and each next one 1.5x larger, up to chunk_elems
-
-
-def chunk_starts(total: int, chunk_elems: int, ramp: bool = False) -> list[int]:
-    """First element of every chunk of ``total`` elements. Uniform chunks of ``chunk_elems``, or with
-    ``ramp`` a geometric ramp (chunk_elems / 8, then x1.5 per chunk and at least 8 more, multiples
-    of 8) up to chunk_elems. The ramp shortens a push-then-sum pipeline's fill: the first sum starts after a
-    small push, and each push stays shorter than the sum before it, since a push moves 2 bytes
-    per element and the sum 8."""
+def chunk_segments(layout: GroupLayout, dest_rank: int, chunk_elems: int) -> list[Chunk]:
+    """Cut rank ``dest_rank``'s packed output (E elements) into chunks and parameter segments."""
     _check_int("chunk_elems", chunk_elems, 1)
-    starts, start = [], 0
-    size = max(8, chunk_elems // RAMP_FIRST_FRACTION // 8 * 8) if ramp else chunk_elems
-    while start < total:
-        starts.append(start)
-        start += min(size, chunk_elems)
-        size = max(size + 8, int(size * RAMP_GROWTH) // 8 * 8)
-    return starts
-
-
-def chunk_segments(layout: GroupLayout, dest_rank: int, chunk_elems: int, ramp: bool = False) -> list[Chunk]:
-    """Cut rank ``dest_rank``'s packed output (E elements) into chunks (``chunk_starts``) and
-    parameter segments."""
     E = layout.total_shard_numel
-    starts = chunk_starts(E, chunk_elems, ramp)
     chunks = []
-    for k, start in enumerate(starts):
-        end = starts[k + 1] if k + 1 < len(starts) else E
+    for k, start in enumerate(range(0, E, chunk_elems)):
+        end = min(E, start + chunk_elems)
         segments = []
         p = layout.param_at_element(start)
         while p < layout.num_params and layout.shard_elem_offset(p) < end:
@@ -287,11 +266,9 @@ class Level1Copy:
     length: int  # elements (only valid rows; padding is never copied)
 
 
-def level1_copies(layout: GroupLayout, topo: Topology, sender: int, chunk_elems: int,
-                  ramp: bool = False) -> list[Level1Copy]:
+def level1_copies(layout: GroupLayout, topo: Topology, sender: int, chunk_elems: int) -> list[Level1Copy]:
     """Copies ``sender`` issues per call: for every destination node, every other local GPU of its
-    node owns one destination rank; the sender pushes that rank's rows of each gradient there
-    (cut into the chunks of ``chunk_segments``)."""
+    node owns one destination rank; the sender pushes that rank's rows of each gradient there."""
     if layout.world_size != topo.world_size:
         raise PlanError(f"layout.world_size={layout.world_size} != topology world size {topo.world_size}")
     n, u = topo.node_of(sender), topo.local_of(sender)
@@ -303,7 +280,7 @@ def level1_copies(layout: GroupLayout, topo: Topology, sender: int, chunk_elems:
             owner_local = level1_owner(topo, dest, n)
             if owner_local == u:
                 continue
-            for chunk in chunk_segments(layout, dest, chunk_elems, ramp):
+            for chunk in chunk_segments(layout, dest, chunk_elems):
                 for seg in chunk.segments:
                     if seg.valid == 0:
                         continue

@@ -57,9 +57,6 @@ RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one
 RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
-# A chunk ramp saves the push of most of a full chunk (~44 us for 16 MiB of bf16 on H200) and costs
-# ~4 more chunks (flag round trips and launches, a few us each): it pays for large chunks only.
-RAMP_MIN_CHUNK_ELEMS = 1 << 22
 
 
 class CudaWork:
@@ -504,13 +501,12 @@ class CudaTransport(Transport):
         if key in self._plans:
             return self._plans[key]
         topo, n, u = self.topology, self.node, self.local
-        ramp = self.config.chunk_ramp and chunk_elems >= RAMP_MIN_CHUNK_ELEMS
-        copies = level1_copies(layout, topo, self.rank, chunk_elems, ramp)
+        copies = level1_copies(layout, topo, self.rank, chunk_elems)
         steps = []
         for c in range(1, topo.nodes + 1):
             m = (n + c) % topo.nodes
             dest = topo.rank(m, (u + c % topo.nodes) % topo.gpus_per_node)  # level1_owner(dest, n) == u
-            chunks = chunk_segments(layout, dest, chunk_elems, ramp)
+            chunks = chunk_segments(layout, dest, chunk_elems)
             by_chunk: list[list] = [[] for _ in chunks]
             for cp in copies:
                 if topo.node_of(cp.dest_rank) == m:

@@ -488,7 +488,7 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
   l.dtype = dtype;
   l.kernel = kSumRegs;
   const bool tma_applies = dtype != 2 && a.n_staged <= kTmaMaxStaged && count > 0;
-  if (kernel == kSumTma || (kernel == kSumAuto && tma_applies)) {
+  if (kernel == kSumTma || (kernel == kSumAuto && tma_applies && a.n_staged <= kTmaAutoMaxStaged)) {
     const bool available = tma_available();
     TIDE_CHECK(available || kernel == kSumAuto, "launch_sum: sum_kernel='tma' needs a GPU of compute capability "
                                                 "9.0+ and an extension built for it (TMA bulk copies)");

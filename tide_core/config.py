@@ -36,7 +36,8 @@ class TIDEConfig:
     sum_ctas: int = 16
     #: Reduce-scatter sum kernel: "tma" (bulk-copy pipeline for 16-bit gradients with <= 7 staged
     #: peers, regs for the rest; an error on GPUs before sm_90), "regs" (register-staged loads, any
-    #: GPU), "auto" (tma where it applies, else regs).
+    #: GPU), "auto" (tma where it applies and measured faster: at most one staged peer, i.e. 2 GPUs
+    #: per node; regs for more, where the register kernel was faster on H200).
     sum_kernel: str = "auto"
     #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
     #: Staging = (L-1) x slots x min(chunk, one peer's rows) bytes; fewer, larger chunks cost

@@ -22,6 +22,7 @@ from tests.transport.cases import all_grads, all_shards, expected_unsharded, lay
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
 from tide_core.plan import Topology, latin_square_plan
+from tide_core.plan.memory import staging_area_blocks
 from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.reference import ReferenceTransport
 
@@ -107,6 +108,13 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
                 assert torch.equal(out, expect), (case, step, (out - expect).abs().max())
                 checked += 1
         assert not dev.errors, dev.errors
+        # Level-2 blocks against Eq. 10 without its Level-1 staging term (units of one fp32 partial;
+        # the Level-1 chunks here are 4 KiB, larger than these tiny partials)
+        L, waves = topo.gpus_per_node, t.waves
+        level2_bound = (staging_area_blocks(gpus_per_node=L, generations=waves.generations,
+                                            outbox_depth=waves.outbox_depth, staging_slots=t.n_slots)
+                        - t.n_slots * L / 2) * t.block_bytes
+        assert t.rs_blocks.nbytes <= level2_bound, (t.rs_blocks.nbytes, level2_bound)
         return checked, len(t.landing_sums), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth
     finally:
         dev.close()

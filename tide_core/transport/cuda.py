@@ -553,12 +553,13 @@ class CudaTransport(Transport):
         rows need, capped at chunk_bytes; a later, larger layout gets a new (larger) segment. The
         old one is kept: calls still in flight may read it. All ranks grow at the same call."""
         slot_bytes = min(self.chunk_bytes, -(-needed_slot_bytes // 4096) * 4096)
-        if self.staging is not None and slot_bytes <= self.slot_bytes:
+        if slot_bytes <= self.slot_bytes:
             return
-        self._staging_generation += 1
-        self.slot_bytes = slot_bytes
-        sources = max(1, self.topology.gpus_per_node - 1)
-        self.staging = self.arena.segment(f"staging{self._staging_generation}", sources * self.n_slots * slot_bytes)
+        self.slot_bytes = slot_bytes  # the chunk size, also when nothing is staged (L = 1)
+        self._staging_generation += 1  # recorded programs are keyed by it
+        sources = self.topology.gpus_per_node - 1
+        if sources:
+            self.staging = self.arena.segment(f"staging{self._staging_generation}", sources * self.n_slots * slot_bytes)
 
     def _staging_slot(self, base: int, owner: int, source: int, slot: int) -> int:
         """Address of ``source``'s slot inside ``owner``'s staging (local ranks; ``base``: the owner's segment)."""

@@ -725,7 +725,7 @@ class CudaTransport(Transport):
         n_out = waves.outbox_depth
         for step in steps:
             c, m = step.contributor, step.dest_node
-            if c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
+            if c < M and c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
                 dev.wait_event(self.s_sum, sent[c - n_out])
             if c == M:
                 self._record_level1(dev, layout, step, grads, self.rs_blocks.ptr + self._inbox_offset(M), 1.0, False,

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tide_core import TransportError
+from tide_core import TIDEError, TransportError
 from tide_core.config import TIDEConfig
 from tide_core.plan import Topology
 from tide_core.runtime.arena import Segment
 from tide_core.runtime.program import ProgramRecorder
-from tide_core.transport import cuda_unavailable_reason
+from tide_core.transport import cuda_unavailable_reason, make_transport
 from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, make_rail, nccl_rma_unavailable_reason
 
 
@@ -62,6 +62,10 @@ def test_cuda_transport_serves_emulated_nodes_on_one_host_only():
     across_hosts = cuda_unavailable_reason(topo, cuda, single_host=False)
     assert "2 nodes" in across_hosts and "nccl_rma" in across_hosts
     assert "nccl_rma" in cuda_unavailable_reason(topo, cuda, single_host=True, rail="nccl_rma")
+    # across hosts without the nccl_rma rail, "auto" leaves the group to stock collectives (the
+    # adapter turns this error into the group's fallback reason)
+    with pytest.raises(TIDEError, match="nccl_rma.*stock collectives serve this group"):
+        make_transport("auto", topo, None, device=cuda, single_host=False)
 
 
 def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():

@@ -29,7 +29,10 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_
 def make_transport(kind: str, topology: Topology, group, *, device: torch.device, config=None,
                    single_host: bool = True):
     """Build the transport ``kind`` ("auto" | "reference" | "cuda") for one shard process group.
-    ``single_host``: every rank of ``group`` runs on this machine."""
+    ``single_host``: every rank of ``group`` runs on this machine. ``auto`` on CUDA groups is the CUDA
+    transport or, where it cannot serve (no ``tide_core._C``, hosts without the nccl_rma rail), a
+    TIDEError naming why, so the caller keeps stock collectives for the group: the reference
+    transport is the correctness oracle, not a faster path. CPU groups get the reference transport."""
     from tide_core.config import TIDEConfig
 
     config = config or TIDEConfig()
@@ -44,6 +47,9 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
             return CudaTransport(topology, group, config=config, single_host=single_host)
         if kind == "cuda":
             raise TIDEError(f"transport='cuda' requested but {reason}")
+        if device.type == "cuda":
+            raise TIDEError(f"{reason}; stock collectives serve this group (transport='reference' would run "
+                            "TIDE's plan over torch.distributed instead)")
     from tide_core.transport.reference import ReferenceTransport
 
     return ReferenceTransport(topology, group, wave_width=config.wave_width, round_width=config.round_width,

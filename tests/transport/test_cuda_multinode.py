@@ -115,7 +115,7 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
                                             outbox_depth=waves.outbox_depth, staging_slots=t.n_slots)
                         - t.n_slots * L / 2) * t.block_bytes
         assert t.rs_blocks.nbytes <= level2_bound, (t.rs_blocks.nbytes, level2_bound)
-        return checked, len(t.landing_sums), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth
+        return checked, len(t.landing_sums), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth, t.inbox.blocks
     finally:
         dev.close()
         alloc.cleanup()
@@ -124,26 +124,35 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
 @pytest.mark.parametrize("nodes,gpus_per_node,wave_width,mode", [
     (2, 1, None, "in_place"), (3, 1, None, "in_place"), (2, 2, None, "in_place"), (2, 2, 1, "in_place"),
     (3, 2, 2, "in_place"), (3, 2, 1, "slot_reuse"), (5, 1, None, "in_place"), (5, 1, None, "slot_reuse"),
-    (4, 2, 2, "in_place")])
+    (4, 2, 2, "in_place"), (6, 1, None, "in_place"), (5, 2, 1, "slot_reuse")])
 def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width, mode):
     world = nodes * gpus_per_node
     results = run_distributed(_reduce_scatters, world,
                               args=(nodes, 7 + world, uuid.uuid4().hex[:8], wave_width, mode), timeout=300)
     plan = latin_square_plan(nodes, gpus_per_node, wave_width, 2, mode == "slot_reuse")
-    # one landing kernel when the wave fold is a plain left fold, else one per wave plus a running total
-    kernels = 1 if all(len(w) == 1 for w in plan.waves[1:]) else len(plan.waves)
-    # blocks: outbox (M-1 In-Place, Eq. 9 Slot-Reuse) + M inbox (+ the running total)
+    # inbox: a block per remote contributor, or n_par * W generation blocks when that saves two or more
+    generations = nodes - 1 > plan.generations * plan.wave_width + 1
+    inbox = plan.generations * plan.wave_width if generations else nodes - 1
+    # one landing kernel when the wave fold is a plain left fold over unreused blocks, else one per
+    # wave plus a running total
+    kernels = len(plan.waves) if generations or any(len(w) > 1 for w in plan.waves[1:]) else 1
+    # blocks: outbox (M-1 In-Place, Eq. 9 Slot-Reuse) + inbox + the spare (+ the running total)
     depth = plan.outbox_depth
-    assert depth == (nodes - 1 if mode == "in_place" else depth)
-    assert all(r == (6, kernels, depth + nodes + (kernels > 1), depth) for r in results), results
+    assert mode == "slot_reuse" or depth == nodes - 1
+    assert all(r == (6, kernels, depth + inbox + 1 + (kernels > 1), depth, inbox) for r in results), results
     if (nodes, gpus_per_node) == (4, 2):
         assert kernels == 2  # waves [1, 2], [3, 4]: two landing kernels and the final pass
+    if (nodes, gpus_per_node) in ((5, 1), (6, 1), (5, 2)):
+        assert inbox == 2  # two generations of one block, each reused by later waves of the call
     if (nodes, mode) == (5, "slot_reuse"):
         assert depth < nodes - 1  # the outbox is really recycled
 
 
-def test_rail_reduce_scatter_is_deadlock_free_when_all_streams_share_one_hardware_queue():
-    results = run_distributed(_reduce_scatters, 5, args=(5, 3, uuid.uuid4().hex[:8], 1, "slot_reuse", 1), timeout=300)
+@pytest.mark.parametrize("nodes,gpus_per_node", [(5, 1), (3, 2), (5, 2)])
+def test_rail_reduce_scatter_is_deadlock_free_when_all_streams_share_one_hardware_queue(nodes, gpus_per_node):
+    """5 x 1 reuses inbox blocks within a call (generations); 3 x 2 relays arrivals and reads; 5 x 2 both."""
+    results = run_distributed(_reduce_scatters, nodes * gpus_per_node,
+                              args=(nodes, 3, uuid.uuid4().hex[:8], 1, "slot_reuse", 1), timeout=300)
     assert results[0][0] == 6
 
 
@@ -215,3 +224,28 @@ def test_rail_fault_injection_is_detected(name):
         assert any(o["corrupt"] for o in outcomes)
     else:
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
+
+
+def test_inbox_plans_stay_within_eq10_and_reuse_blocks_only_after_their_read():
+    """Every (M, L, W) and both outbox variants: Level-2 blocks (outbox, inbox, spare, running total)
+    within Eq. 10, and a reused block's next use is at least two waves later, so its read (landing
+    one wave after the Level 1 that filled it) is enqueued before the put that overwrites it."""
+    from types import SimpleNamespace
+
+    for M in range(2, 65):
+        for L in (1, 2, 4, 8):
+            for W in range(1, L + 1):
+                for memory_efficient in (False, True):
+                    plan = latin_square_plan(M, L, W, 2, memory_efficient)
+                    stub = SimpleNamespace(topology=Topology(M, L), waves=plan, dev=SimpleNamespace(max_sources=16))
+                    inbox = CudaTransport.inbox.func(stub)
+                    blocks = plan.outbox_depth + inbox.blocks + 1 + (len(inbox.landing) > 1)
+                    eq10 = staging_area_blocks(gpus_per_node=L, generations=plan.generations,
+                                               outbox_depth=plan.outbox_depth, staging_slots=2) - 2 * L / 2
+                    assert blocks <= eq10, (M, L, W, memory_efficient, blocks, eq10)
+                    assert sorted(c for group in inbox.landing for c in group) == list(range(1, M + 1))
+                    for c, nxt in inbox.next_use.items():
+                        assert inbox.index[c] < inbox.blocks
+                        if nxt is not None:
+                            assert inbox.index[nxt] == inbox.index[c] and (nxt - 1) // W >= (c - 1) // W + 2
+                            assert inbox.use[nxt] == inbox.use[c] + 1

@@ -101,6 +101,17 @@ class _Level1Step:
     order: list  # staged node peers' local ranks, in the order their contributions are added
 
 
+@dataclass(frozen=True)
+class _InboxPlan:
+    blocks: int  # inbox blocks for remote contributors
+    index: dict  # contributor -> its inbox block
+    use: dict  # contributor -> which use of its block it is in a call (1-based)
+    next_use: dict  # contributor -> the next contributor to use its block in the call (None: the last)
+    first_use: dict  # contributor -> the first contributor to use its block in a call
+    landing: list  # contributors summed by each landing kernel, in order
+    land_after: list  # landing kernel k is enqueued after the Level 1 of waves < land_after[k]
+
+
 class CudaTransport(Transport):
     name = "cuda"
 
@@ -566,24 +577,45 @@ class CudaTransport(Transport):
         index = source if source < owner else source - 1  # owners stage only their L-1 peers
         return base + (index * self.n_slots + slot) * self.slot_bytes
 
+    @functools.cached_property
+    def inbox(self) -> "_InboxPlan":
+        """Where each remote contributor's partial lands and who sums what (multi-node groups).
+
+        Inbox blocks: one per remote contributor, or, when that is more than the Latin-square
+        generations need (M - 1 > n_par * W + 1), n_par * W blocks reused across the waves of a call:
+        contributor c takes block (wave(c) mod n_par) * W + (c - 1) mod W, and a put into a reused
+        block waits for the read of its previous use (``_record_rs_level2``).
+        Landing kernels: one per wave; when every wave after the first has one contributor and no
+        block is reused, the fold over waves is a plain left fold over all contributors, so one
+        kernel reads every block (same association order, no running total)."""
+        M, plan = self.topology.nodes, self.waves
+        W, n_par, waves = plan.wave_width, plan.generations, plan.waves
+        generations = M - 1 > n_par * W + 1  # they cost a running total: worth it from two blocks saved
+        remote = range(1, M)
+        index = {c: ((c - 1) // W % n_par) * W + (c - 1) % W if generations else c - 1 for c in remote}
+        users: dict = {}
+        for c in remote:
+            users.setdefault(index[c], []).append(c)
+        use = {c: users[index[c]].index(c) + 1 for c in remote}
+        next_use = {c: (users[index[c]] + [None])[use[c]] for c in remote}
+        first_use = {c: users[index[c]][0] for c in remote}
+        if not generations and all(len(w) == 1 for w in waves[1:]) and M - 1 <= self.dev.max_sources:
+            landing = [[c for w in waves for c in w]]
+        else:
+            landing = [list(w) for w in waves]
+        land_after = [(group[-1] - 1) // W + 1 for group in landing]  # after the Level 1 of the next wave
+        return _InboxPlan(len(users), index, use, next_use, first_use, landing, land_after)
+
+    @property
+    def landing_sums(self) -> list[list[int]]:
+        return self.inbox.landing
+
     @property
     def rs_block_count(self) -> int:
         """Multi-node reduce-scatter blocks of one fp32 node partial each: the outbox (n_out blocks,
-        Eq. 9: M-1 In-Place, recycled Slot-Reuse), the inbox (M blocks: block c - 1 receives
-        contributor c, block M - 1 is the own node's partial, the spare) and, with more than one
-        wave, the running total."""
-        return self.waves.outbox_depth + self.topology.nodes + (len(self.landing_sums) > 1)
-
-    @functools.cached_property
-    def landing_sums(self) -> list[list[int]]:
-        """Contributors summed by each landing kernel. Normally one kernel per wave; when every wave
-        after the first has one contributor (W = 1, or a single wave) the fold over waves is a plain
-        left fold over all contributors, so one kernel reads every block (same association order,
-        no running total)."""
-        waves = self.waves.waves
-        if all(len(w) == 1 for w in waves[1:]) and self.topology.nodes - 1 <= self.dev.max_sources:
-            return [[c for w in waves for c in w]]
-        return waves
+        Eq. 9: M-1 In-Place, recycled Slot-Reuse), the inbox (``inbox``), the own node's partial
+        (the spare) and, with more than one landing kernel, the running total."""
+        return self.waves.outbox_depth + self.inbox.blocks + 1 + (len(self.inbox.landing) > 1)
 
     def _ensure_rs_blocks(self, needed_block_bytes: int) -> None:
         """Grown like the staging; all ranks grow at the same call."""
@@ -598,10 +630,12 @@ class CudaTransport(Transport):
         return self.rs_blocks.ptr + (c - 1) % self.waves.outbox_depth * self.block_bytes
 
     def _inbox_offset(self, c: int) -> int:
-        return (self.waves.outbox_depth + c - 1) * self.block_bytes
+        """Contributor c's block (c = M: the spare)."""
+        block = self.inbox.blocks if c == self.topology.nodes else self.inbox.index[c]
+        return (self.waves.outbox_depth + block) * self.block_bytes
 
     def _wave_total(self) -> int:
-        return self.rs_blocks.ptr + (self.waves.outbox_depth + self.topology.nodes) * self.block_bytes
+        return self.rs_blocks.ptr + (self.waves.outbox_depth + self.inbox.blocks + 1) * self.block_bytes
 
     def _rs_rail_slot(self, kind: int) -> int:
         return self._rs_rail_slot0 + kind
@@ -695,54 +729,35 @@ class CudaTransport(Transport):
 
     def _record_rs_level2(self, dev, layout, steps, grads, out, alpha, accumulate, base_seq, start) -> None:
         """Multi-node reduce-scatter (Sections 4.2, 5.2). Flag values are relative to ``base_seq``;
-        the call's "epoch" is ``end = base_seq + chunks``: rail data and credit words carry it, and
-        node-local inbox arrivals / reads of contributor cc carry ``base_seq + cc`` (<= end).
+        the call's "epoch" is ``end = base_seq + chunks``: rail data words carry it, and node-local
+        inbox arrivals / reads of contributor cc carry ``base_seq + cc`` (<= end).
 
-        1. Level 1 for c = 1..M (``_record_level1``) writes fp32 node partials: c < M into outbox
-           block (c - 1) mod n_out (after the put of step c - n_out read it), c = M (the own node)
-           into inbox block M (the spare). After each chunk's sum the rail stream puts that chunk
-           into inbox block c of rank (m, u) (the destination's rail peer), having first waited for
-           that rank's credit: its previous call read the block. A data signal follows the step's
-           last chunk. The inbox has a block per contributor, so every credit a put waits for comes
-           from an earlier call: no wait in a call depends on a peer's later work in it.
+        Per wave w of contributors, in order (the two-phase pipeline, one wave of lag):
+        1. Level 1 of the wave's steps (``_record_level1``) writes fp32 node partials: c < M into
+           outbox block (c - 1) mod n_out (after the put of step c - n_out read it), c = M (the own
+           node) into the spare. After each chunk's sum the rail stream puts that chunk into
+           contributor c's inbox block at rank (m, u) (the destination's rail peer), having first
+           waited for that rank's credit for the block: the read of its previous use, in this call
+           (value ``base_seq + use - 1``) or the previous one (``base_seq``, the previous ``end``).
+           A data signal follows the step's last chunk.
         2. Relays (L > 1): a rank holding contributor cc's block for node peer v = (u + cc) mod L
            tells v when it arrived.
-        3. Landing, wave by wave (``landing_sums``): the sum kernel reads the wave's blocks where
-           they lie (inbox_gpu) and adds them in wave order into the running total, or, for a
-           single landing kernel, with alpha and accumulate into ``out``. After each kernel the
-           reader tells each block's holder it was read; 4. the holder returns the rail credit to
-           the block's sender."""
-        topo, rail, waves = self.topology, self.rail, self.waves
+        3. The landing kernels of the previous wave (``inbox.land_after``): the sum kernel reads
+           their blocks where they lie (inbox_gpu) and adds them in order into the running total,
+           or, for a single landing kernel, with alpha and accumulate into ``out``. The reader
+           tells each block's holder it was read, and 4. the holder returns the rail credit to the
+           sender of the block's next use.
+        Every wait then targets work each rank enqueued in an earlier wave, or earlier in this one:
+        no deadlock even if all streams share one hardware queue."""
+        topo, rail, waves, inbox = self.topology, self.rail, self.waves, self.inbox
         M, L, n, u = topo.nodes, topo.gpus_per_node, self.node, self.local
+        W, n_waves = waves.wave_width, len(waves.waves)
         E = layout.total_shard_numel
         end = base_seq + sum(len(step.chunks) for step in steps)
         data_slot, credit_slot = self._rs_rail_slot(RS_RAIL_DATA), self._rs_rail_slot(RS_RAIL_CREDIT)
         call = self.rs_calls
-        # The outbox is rewritten below: the previous call's puts must be done.
-        dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
-        first_seq = base_seq
-        sent = {}  # step -> event after its puts
+        credits_on = call < self.faults.get("rail_drop_credit_from", float("inf"))
         n_out = waves.outbox_depth
-        for step in steps:
-            c, m = step.contributor, step.dest_node
-            if c < M and c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
-                dev.wait_event(self.s_sum, sent[c - n_out])
-            if c == M:
-                self._record_level1(dev, layout, step, grads, self.rs_blocks.ptr + self._inbox_offset(M), 1.0, False,
-                                    first_seq)
-            else:
-                def put_chunk(k, chunk, c=c, m=m):
-                    dev.wait_event(self.s_rs_rail, dev.record(self.s_sum))
-                    if k == 0 and not self.faults.get("rail_early_reuse"):
-                        rail.wait(dev, self.s_rs_rail, m, credit_slot, base_seq)
-                    rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
-                             [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
-
-                self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq, put_chunk)
-                if call not in self.faults.get("rail_skip_signal", ()):
-                    rail.signal(dev, self.s_rs_rail, m, data_slot, end)
-                sent[c] = dev.record(self.s_rs_rail)
-            first_seq += len(step.chunks)
 
         def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
             return (n - cc) % M
@@ -750,48 +765,81 @@ class CudaTransport(Transport):
         def block(holder: int, cc: int) -> int:  # contributor cc's block in node peer ``holder``'s inbox
             return self.rs_blocks.peer_ptrs[topo.rank(n, holder)] + self._inbox_offset(cc)
 
-        held = [(cc, (u + cc) % L) for cc in range(1, M) if (u + cc) % L != u]  # blocks I hold for node peers
-        dev.wait_event(self.s_relay, start)
-        for cc, reader in held:
-            rail.wait(dev, self.s_relay, sender(cc), data_slot, end)
-            dev.write_flags(self.s_relay, [self.peer_flag(reader, RS_INBOX, u)], base_seq + cc)
+        def return_credit(stream, cc: int) -> None:  # cc's block was read: free it for its next use
+            nxt = inbox.next_use[cc]
+            if nxt is None:
+                rail.signal(dev, stream, sender(inbox.first_use[cc]), credit_slot, end)
+            else:
+                rail.signal(dev, stream, sender(nxt), credit_slot, base_seq + inbox.use[cc])
 
-        # One landing kernel: it folds alpha and accumulate into out. Several (one per wave): they add
-        # into the running total (t = w0; t += w1; ...), then out = (out) + alpha * t, as the
-        # reference does.
-        single = len(self.landing_sums) == 1
+        # The outbox is rewritten below: the previous call's puts must be done.
+        dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
+        dev.wait_event(self.s_relay, start)
+        held = {cc: (u + cc) % L for cc in range(1, M) if (u + cc) % L != u}  # my blocks node peers read
+        first_seq = {}
+        for step in steps:
+            first_seq[step.contributor] = base_seq + sum(len(s.chunks) for s in steps if s.contributor < step.contributor)
+        sent = {}  # step -> event after its puts
+        single = len(inbox.landing) == 1
         total = self._wave_total()
-        for w, wave in enumerate(self.landing_sums):
-            for cc in wave:
-                holder = waves.inbox_gpu(u, cc)
-                if cc == M:
-                    continue  # the spare: written by this rank's own Level 1, earlier on this stream
-                if holder == u:
-                    rail.wait(dev, self.s_sum, sender(cc), data_slot, end)
-                else:
-                    dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
-            blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in wave]
-            dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])], 0, E,
-                    float(alpha) if single else 1.0, bool(accumulate) if single else w > 0, torch.float32,
-                    self.config.sum_ctas)
-            for cc in wave:
-                holder = waves.inbox_gpu(u, cc)
-                if cc == M or call >= self.faults.get("rail_drop_credit_from", float("inf")):
+        for w in range(n_waves + 1):
+            for step in (s for s in steps if (s.contributor - 1) // W == w):
+                c, m = step.contributor, step.dest_node
+                if c == M:
+                    self._record_level1(dev, layout, step, grads, self.rs_blocks.ptr + self._inbox_offset(M), 1.0,
+                                        False, first_seq[c])
                     continue
-                if holder == u:
-                    rail.signal(dev, self.s_sum, sender(cc), credit_slot, end)
-                else:
-                    dev.write_flags(self.s_sum, [self.peer_flag(holder, RS_READ, u)], base_seq + cc)
+                if c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
+                    dev.wait_event(self.s_sum, sent[c - n_out])
+                credit = base_seq + inbox.use[c] - 1
+
+                def put_chunk(k, chunk, c=c, m=m, credit=credit):
+                    dev.wait_event(self.s_rs_rail, dev.record(self.s_sum))
+                    if k == 0 and not self.faults.get("rail_early_reuse"):
+                        rail.wait(dev, self.s_rs_rail, m, credit_slot, credit)
+                    rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
+                             [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
+
+                self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq[c], put_chunk)
+                if call not in self.faults.get("rail_skip_signal", ()):
+                    rail.signal(dev, self.s_rs_rail, m, data_slot, end)
+                sent[c] = dev.record(self.s_rs_rail)
+            for cc in (cc for cc in held if (cc - 1) // W == w):
+                rail.wait(dev, self.s_relay, sender(cc), data_slot, end)
+                dev.write_flags(self.s_relay, [self.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
+            for k, group in enumerate(inbox.landing):
+                if inbox.land_after[k] != w:
+                    continue
+                for cc in group:
+                    holder = waves.inbox_gpu(u, cc)
+                    if cc == M:
+                        continue  # the spare: written by this rank's own Level 1, earlier on this stream
+                    if holder == u:
+                        rail.wait(dev, self.s_sum, sender(cc), data_slot, end)
+                    else:
+                        dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
+                blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in group]
+                dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])], 0, E,
+                        float(alpha) if single else 1.0, bool(accumulate) if single else k > 0, torch.float32,
+                        self.config.sum_ctas)
+                for cc in group:
+                    holder = waves.inbox_gpu(u, cc)
+                    if cc == M or not credits_on:
+                        continue
+                    if holder == u:
+                        return_credit(self.s_sum, cc)
+                    else:
+                        dev.write_flags(self.s_sum, [self.peer_flag(holder, RS_READ, u)], base_seq + cc)
+                # The blocks I hold that this landing kernel's readers read, credited once they did.
+                for cc in (cc for cc in group if cc in held):
+                    dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, held[cc])], base_seq + cc)
+                    if credits_on:
+                        return_credit(self.s_relay, cc)
+        # One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
+        # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:
             dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], 0, E, float(alpha), bool(accumulate),
                     torch.float32, self.config.sum_ctas)
-        # Read credits of the blocks I hold, after every rank's landing was enqueued (above).
-        summed = dev.record(self.s_sum)
-        dev.wait_event(self.s_relay, summed)
-        for cc, reader in held:
-            dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, reader)], base_seq + cc)
-            if call < self.faults.get("rail_drop_credit_from", float("inf")):
-                rail.signal(dev, self.s_relay, sender(cc), credit_slot, end)
         dev.wait_event(self.s_sum, dev.record(self.s_relay))
 
     def close(self) -> None:

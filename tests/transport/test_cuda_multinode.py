@@ -115,7 +115,7 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
                                             outbox_depth=waves.outbox_depth, staging_slots=t.n_slots)
                         - t.n_slots * L / 2) * t.block_bytes
         assert t.rs_blocks.nbytes <= level2_bound, (t.rs_blocks.nbytes, level2_bound)
-        return checked, len(t.landing_sums), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth, t.inbox.blocks
+        return checked, len(t.inbox.landing), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth, t.inbox.blocks
     finally:
         dev.close()
         alloc.cleanup()

@@ -172,7 +172,7 @@ class CudaTransport(Transport):
         self.s_push = self.dev.stream(priority=-1)
         self.s_sum = self.dev.stream(priority=-1)
         if self.rail is not None:
-            self.s_rail = self.dev.stream(priority=-1)  # rail sends (Bruck rounds, node partials)
+            self.s_rail = self.dev.stream(priority=-1)  # rail sends of the Bruck rounds
             self.s_scatter = self.dev.stream(priority=-1)  # rail receives and stage scatters
             self.s_rs_rail = self.dev.stream(priority=-1)  # reduce-scatter partials (apart from the all-gather's sends)
             self.s_relay = self.dev.stream(priority=-1)  # inbox arrivals and read credits between node peers
@@ -607,10 +607,6 @@ class CudaTransport(Transport):
         return _InboxPlan(len(users), index, use, next_use, first_use, landing, land_after)
 
     @property
-    def landing_sums(self) -> list[list[int]]:
-        return self.inbox.landing
-
-    @property
     def rs_block_count(self) -> int:
         """Multi-node reduce-scatter blocks of one fp32 node partial each: the outbox (n_out blocks,
         Eq. 9: M-1 In-Place, recycled Slot-Reuse), the inbox (``inbox``), the own node's partial
@@ -776,9 +772,9 @@ class CudaTransport(Transport):
         dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
         dev.wait_event(self.s_relay, start)
         held = {cc: (u + cc) % L for cc in range(1, M) if (u + cc) % L != u}  # my blocks node peers read
-        first_seq = {}
+        first_seq, q = {}, base_seq  # steps come in contributor order, as their chunk numbers do
         for step in steps:
-            first_seq[step.contributor] = base_seq + sum(len(s.chunks) for s in steps if s.contributor < step.contributor)
+            first_seq[step.contributor], q = q, q + len(step.chunks)
         sent = {}  # step -> event after its puts
         single = len(inbox.landing) == 1
         total = self._wave_total()

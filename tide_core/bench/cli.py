@@ -132,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=20, help="timed calls per system (default 20)")
     p.add_argument("--nodes", type=int, default=1,
                    help="ag/rs: treat the processes as this many nodes (emulated on one host; TIDE's cross-node "
-                        "all-gather hops then run over the p2p rail)")
+                        "hops then run over the p2p rail)")
     p.add_argument("--out", default="benchmarks/results", help="directory for the markdown results")
     p.add_argument("--no-write", dest="write", action="store_false", help="print only")
     p.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "qwen3-moe"])

@@ -51,6 +51,13 @@ class TIDEConfig:
     #: local_copy_ctas CTAs) or "ce" (a copy-engine batch: ~7 us of host time per parameter).
     local_copy: str = "kernel"
     local_copy_ctas: int = 16
+    #: Reduce-scatter: the sum kernel runs in slices that each write at most this many MiB of fp32
+    #: output, and the pushes signal each slice's rows as they arrive, so a chunk's sum starts
+    #: before its whole push landed and a compute kernel launched meanwhile waits at most one slice
+    #: for its SMs. Each slice costs ~9 us of host enqueue (a signal, a wait, a launch): 16 measured
+    #: best on 2xH200, 4 halves the one-wave GEMM slowdown of 16 but slows the call (docs/design.md).
+    #: 0: one launch per chunk.
+    sum_slice_mib: float = 16.0
     #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
     #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
     rail: str = "auto"
@@ -82,6 +89,8 @@ class TIDEConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
         if self.rail not in ("auto", "p2p", "nccl_rma"):
             raise ValueError(f"rail={self.rail!r} is not supported; choose one of auto, p2p, nccl_rma")
+        if not self.sum_slice_mib >= 0:
+            raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
         if self.local_copy not in ("kernel", "ce"):
             raise ValueError(f"local_copy={self.local_copy!r} is not supported; choose kernel or ce")
         if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
@@ -97,6 +106,11 @@ class TIDEConfig:
     @property
     def chunk_bytes(self) -> int:
         return int(self.chunk_mib * (1 << 20))
+
+    @property
+    def sum_slice_bytes(self) -> int:
+        """0: no slicing; else a multiple of 1 KiB (at least 1 KiB)."""
+        return 0 if self.sum_slice_mib == 0 else max(1024, int(self.sum_slice_mib * (1 << 20)) // 1024 * 1024)
 
     @classmethod
     def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":

@@ -269,6 +269,16 @@ def test_bad_options_name_the_option(bad):
         TIDEConfig(**bad)
 
 
+def test_sum_slices_are_validated_and_rounded():
+    from tide_core import TIDEConfig
+
+    with pytest.raises(ValueError, match="sum_slice_mib=-1 must be >= 0"):
+        TIDEConfig(sum_slice_mib=-1)
+    assert TIDEConfig(sum_slice_mib=0).sum_slice_bytes == 0
+    assert TIDEConfig(sum_slice_mib=1.0001).sum_slice_bytes == 1 << 20  # whole KiB
+    assert TIDEConfig(sum_slice_mib=1e-6).sum_slice_bytes == 1024
+
+
 def test_install_requires_an_fsdp_model():
     msgs = run_distributed(_plain_model, 2, timeout=60)
     assert all("call fully_shard" in m for m in msgs)

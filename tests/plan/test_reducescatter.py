@@ -5,11 +5,13 @@ from tide_core import PlanError
 from tide_core.plan import (
     GroupLayout,
     Topology,
+    chunk_pieces,
     chunk_segments,
     inbox_gpu,
     latin_square_plan,
     level1_copies,
     level1_order,
+    split_copies,
 )
 from tide_core.plan.simulate import InvariantError, reference_reduce_scatter_fp64, simulate_reduce_scatter
 
@@ -134,6 +136,42 @@ def test_chunk_segments_partition_the_output(seed):
             assert inner == ch.start + ch.length
             pos += ch.length
         assert pos == lay.total_shard_numel
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_chunk_pieces_split_every_copy_exactly_once(seed):
+    """Pieces tile each chunk in order; the copies cut at their bounds cover the same elements of
+    the gradient and the staging as before, each element once, inside its piece."""
+    rng = np.random.default_rng(seed)
+    topo = Topology(int(rng.integers(1, 3)), int(rng.integers(2, 5)))
+    N = topo.world_size
+    lay = GroupLayout.from_shapes([(int(rng.integers(1, 5 * N)), int(rng.integers(1, 40))) for _ in range(7)], world_size=N)
+    chunk_elems = 8 * int(rng.integers(4, 60))
+    piece_elems = 8 * int(rng.integers(1, 12))
+    for sender in range(N):
+        copies = level1_copies(lay, topo, sender, chunk_elems)
+        for (dest, chunk), group in _by_dest_chunk(copies).items():
+            length = next(ch.length for ch in chunk_segments(lay, dest, chunk_elems) if ch.index == chunk)
+            bounds = chunk_pieces(length, piece_elems)
+            assert bounds[0][0] == 0 and bounds[-1][1] == length
+            assert all(a[1] == b[0] and a[1] - a[0] == piece_elems for a, b in zip(bounds, bounds[1:]))
+            pieces = split_copies(group, bounds)
+            before = {(cp.param, cp.src_offset + i, cp.staging_offset + i) for cp in group for i in range(cp.length)}
+            after = [(cp.param, cp.src_offset + i, cp.staging_offset + i)
+                     for (lo, hi), part in zip(bounds, pieces) for cp in part for i in range(cp.length)
+                     if lo <= cp.staging_offset + i < hi]
+            assert len(after) == sum(cp.length for part in pieces for cp in part)  # nothing outside its piece
+            assert sorted(after) == sorted(before)
+    assert chunk_pieces(100, 0) == [(0, 100)] and chunk_pieces(100, 104) == [(0, 100)]
+    with pytest.raises(PlanError, match="multiple of 8"):
+        chunk_pieces(100, 12)
+
+
+def _by_dest_chunk(copies):
+    groups: dict = {}
+    for cp in copies:
+        groups.setdefault((cp.dest_rank, cp.chunk), []).append(cp)
+    return groups
 
 
 TOPOLOGIES = [(1, 2), (1, 4), (2, 2), (3, 2), (4, 2), (5, 1), (2, 4), (9, 2), (6, 4), (10, 4)]

@@ -82,12 +82,14 @@ class EmulatedDevice:
     max_segments = 5  # small, so chunk launches really get split in tests
     max_sources = 16
 
-    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0):
+    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0,
+                 push_delay_s: float = 0.0):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
-        ``sum_delay_s`` / ``copy_delay_s``: slow sum kernels / copy kernels and 2-D copies (the stage
-        scatters), to expose missing credits."""
+        ``sum_delay_s`` / ``copy_delay_s`` / ``push_delay_s``: slow sum kernels / copy kernels and 2-D
+        copies (the stage scatters) / copy-engine batches, to expose missing credits and signals."""
         self.copy_delay_s = copy_delay_s
+        self.push_delay_s = push_delay_s
         self.hardware_queues = hardware_queues
         self.streams: list[EmuStream] = []
         self.host = HostStream(self)
@@ -95,7 +97,7 @@ class EmulatedDevice:
         self.errors: list[Exception] = []
         self.sum_delay_s = sum_delay_s
         self.copies = 0
-        self.kernels = 0
+        self.kernels = 0  # sum kernels
 
     def stream(self, priority: int = 0) -> EmuStream:
         n = len(self.streams)
@@ -128,6 +130,8 @@ class EmulatedDevice:
         dsts, srcs, sizes = list(dsts), list(srcs), list(sizes)
 
         def run():
+            if self.push_delay_s and dsts:
+                time.sleep(self.push_delay_s)
             for d, s, n in zip(dsts, srcs, sizes):
                 ctypes.memmove(d, s, n)
             self.copies += len(dsts)

@@ -28,7 +28,8 @@ def _suite(rank, world_size, seed):
     topo = Topology(1, world_size)
     report = {"max_rel_err": 0.0, "ag_cases": 0, "rs_cases": 0}
     rng = np.random.default_rng(seed)
-    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60))  # many chunks
+    # many chunks, each in 2 pieces with their own arrival signals
+    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625))
     big = CudaTransport(topo, config=TIDEConfig(timeout_s=60))
     ref = ReferenceTransport(topo)
     slot = 0
@@ -177,7 +178,8 @@ def _rail_suite(rank, world_size, seed, mode):
 
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
-    t = CudaTransport(topo, config=TIDEConfig(timeout_s=60, rail="p2p", mode=mode, chunk_mib=0.25))
+    t = CudaTransport(topo, config=TIDEConfig(timeout_s=60, rail="p2p", mode=mode, chunk_mib=0.25,
+                                              sum_slice_mib=0.0625))  # pieces and landing slices
     reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)
     ag_cases = rs_cases = 0

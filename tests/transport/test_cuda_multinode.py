@@ -78,19 +78,23 @@ def test_rail_all_gather_is_deadlock_free_when_all_streams_share_one_hardware_qu
     assert results[0] == (6, True)
 
 
-def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_place", hardware_queues=None):
+def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_place", hardware_queues=None,
+                     slice_bytes=0):
     """Random layouts, bf16 and fp32 gradients, alpha and accumulate, small chunks (several per
     Level-1 step), each layout called three times on the same buffers (recorded programs replayed):
-    bitwise equal to the reference transport with the same wave width."""
+    bitwise equal to the reference transport with the same wave width. ``slice_bytes``: sum kernels
+    in slices (Level-1 pieces and landing slices of 256 elements per KiB)."""
     topo = Topology(nodes, world_size // nodes)
     t, dev, alloc = _transport(topo, tag, hardware_queues=hardware_queues, wave_width=wave_width, mode=mode,
-                               chunk_mib=4096 / (1 << 20))
+                               chunk_mib=4096 / (1 << 20), sum_slice_mib=slice_bytes / (1 << 20))
     reference = ReferenceTransport(topo, wave_width=wave_width)
     rng = np.random.default_rng(seed)
     checked = 0
     try:
         for case, dtype in enumerate((torch.bfloat16, torch.float32)):
             shapes = random_shapes(rng, world_size, max_params=12)
+            if slice_bytes:  # large enough for several pieces per chunk and landing slices per block
+                shapes.append((world_size * 300 + 5, 7))
             lay = layout_for(shapes, world_size, 2)
             grads = [torch.empty(shape, dtype=dtype) for shape in shapes]
             out = torch.empty(lay.total_shard_numel)
@@ -115,6 +119,8 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
                                             outbox_depth=waves.outbox_depth, staging_slots=t.n_slots)
                         - t.n_slots * L / 2) * t.block_bytes
         assert t.rs_blocks.nbytes <= level2_bound, (t.rs_blocks.nbytes, level2_bound)
+        if slice_bytes:
+            return checked, dev.kernels, t.rs_seq
         return checked, len(t.inbox.landing), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth, t.inbox.blocks
     finally:
         dev.close()
@@ -146,6 +152,17 @@ def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wav
         assert inbox == 2  # two generations of one block, each reused by later waves of the call
     if (nodes, mode) == (5, "slot_reuse"):
         assert depth < nodes - 1  # the outbox is really recycled
+
+
+@pytest.mark.parametrize("nodes,gpus_per_node,wave_width", [(3, 2, 2), (4, 2, 2), (5, 1, None)])
+def test_sliced_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width):
+    """Level-1 pieces with their own arrival signals and landing kernels in slices of 256 elements."""
+    world = nodes * gpus_per_node
+    results = run_distributed(_reduce_scatters, world, args=(nodes, 3 + world, uuid.uuid4().hex[:8], wave_width,
+                                                             "in_place", None, 1024), timeout=300)
+    assert all(r[0] == 6 for r in results), results
+    checked, kernels, chunks = results[0]
+    assert kernels > 4 * chunks  # several sum slices per Level-1 chunk and per landing
 
 
 @pytest.mark.parametrize("nodes,gpus_per_node", [(5, 1), (3, 2), (5, 2)])

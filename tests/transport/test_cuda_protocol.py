@@ -23,17 +23,22 @@ from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None):
-    dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
+def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None,
+               slice_bytes=0, push_delay_s=0.0):
+    """4 KiB chunks; ``slice_bytes`` (0: none) cuts each reduce-scatter chunk into pieces
+    (1 KiB = 256 fp32 output elements per piece)."""
+    dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues, push_delay_s=push_delay_s)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
-    config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4)
+    config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4,
+                        sum_slice_mib=slice_bytes / (1 << 20))
     t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
                       allocator=alloc, faults=faults)
     return t, dev, alloc
 
 
-def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None):
-    t, dev, alloc = _transport(world_size, tag, hardware_queues=hardware_queues, timeout_s=20.0)
+def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None, slice_bytes=0):
+    t, dev, alloc = _transport(world_size, tag, hardware_queues=hardware_queues, timeout_s=20.0,
+                               slice_bytes=slice_bytes)
     ref = ReferenceTransport(Topology(1, world_size))
     rng = np.random.default_rng(seed)
     slot = 0
@@ -71,15 +76,44 @@ def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None):
         alloc.cleanup()
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_emulated_cuda_transport_is_bitwise_equal_to_reference(world_size):
-    results = run_distributed(_bitwise_vs_reference, world_size, args=(17 + world_size, uuid.uuid4().hex[:8]),
-                              timeout=240)
+@pytest.mark.parametrize("world_size,slice_bytes", [(2, 0), (3, 0), (4, 0), (2, 1024), (3, 1024)])
+def test_emulated_cuda_transport_is_bitwise_equal_to_reference(world_size, slice_bytes):
+    results = run_distributed(_bitwise_vs_reference, world_size,
+                              args=(17 + world_size, uuid.uuid4().hex[:8], None, slice_bytes), timeout=240)
     checked, chunks, kernels, staging = results[0]
     assert checked == {"ag": 6, "rs": 18}
     assert chunks > 18 * 2  # several chunks per call: the 2-slot ring and its credits were exercised
     assert kernels > chunks  # launches were split (emulated MAX_SEGMENTS = 5)
     assert staging == (world_size - 1) * 2 * 4096  # L-1 peers x 2 slots x one 4 KiB chunk
+    if slice_bytes:  # a 4 KiB bf16 chunk (2048 elements) is 8 pieces of 256 output elements
+        assert kernels > 4 * chunks
+
+
+def _pieces_after_arrival(rank, world_size, tag):
+    """Slow pushes, fast sums: each piece's sum must wait for that piece's arrival signal."""
+    t, dev, alloc = _transport(world_size, tag, timeout_s=20.0, slice_bytes=1024, push_delay_s=0.005)
+    ref = ReferenceTransport(Topology(1, world_size))
+    shapes = [(world_size * 700 + 1, 5), (33,)]
+    lay = layout_for(shapes, world_size, 2)
+    try:
+        for call in range(3):
+            grads = all_grads(300 + call, shapes, world_size, torch.bfloat16)[rank]
+            out = torch.full((lay.total_shard_numel,), float("nan"))
+            expect = torch.empty(lay.total_shard_numel)
+            t.reduce_scatter(lay, grads, out, alpha=0.5).wait()
+            ref.reduce_scatter(lay, grads, expect, alpha=0.5)
+            t.synchronize()
+            assert torch.equal(out, expect), call
+        assert not dev.errors, dev.errors
+        return t.flag_kinds
+    finally:
+        dev.close()
+        alloc.cleanup()
+
+
+def test_sliced_reduce_scatter_sums_each_piece_after_it_arrived():
+    kinds = run_distributed(_pieces_after_arrival, 2, args=(uuid.uuid4().hex[:8],), timeout=120)
+    assert kinds[0] == 6 + 8  # one arrival flag per piece of a 4 KiB chunk of 16-bit gradients
 
 
 def _fault(rank, world_size, tag, fault, faulty_rank):
@@ -150,8 +184,10 @@ def _ag_reorder(rank, world_size, tag):
 def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
     """CUDA maps streams onto a few hardware FIFOs (CUDA_DEVICE_MAX_CONNECTIONS); a blocked stream
     wait then stalls every later operation behind it. The enqueue order must still make progress."""
-    results = run_distributed(_bitwise_vs_reference, 2, args=(5, uuid.uuid4().hex[:8], 1), timeout=240)
-    assert results[0][0] == {"ag": 6, "rs": 18}
+    for slice_bytes in (0, 1024):
+        results = run_distributed(_bitwise_vs_reference, 2, args=(5, uuid.uuid4().hex[:8], 1, slice_bytes),
+                                  timeout=240)
+        assert results[0][0] == {"ag": 6, "rs": 18}
 
 
 FAULTS = {

@@ -81,6 +81,12 @@ def _copy_engine_worker(rank, world_size, args):
 def _interference_worker(rank, world_size, args):
     t = _transport(world_size)
     rows = interference.run_interference(rank, world_size, transport=t, size_mib=args.sizes[0])
+    for key, values in args.sweep:
+        for value in values:
+            variant = _transport(world_size, **{key: value})
+            rows += interference.run_interference(rank, world_size, transport=variant, size_mib=args.sizes[0],
+                                                  tide_only=True, label=f", {key}={value}")
+            variant.close()
     if rank == 0:
         body = interference.format_rows(rows) + f"\n\nCollectives use {args.sizes[0]} MiB per-rank shards; victims run on the compute stream while the collective loops on a side stream."
         print(body, flush=True)
@@ -151,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="train memory phase: record the allocator's history over the measured steps and report "
                         "what is live at the peak (slows those steps; CUDA only)")
     p.add_argument("--sweep", type=_sweep, action="append", default=[],
-                   help="ag/rs: also time TIDE with a TIDEConfig field at each value, e.g. copy_lanes=1,2,4")
+                   help="ag/rs/interference: also time TIDE with a TIDEConfig field at each value, "
+                        "e.g. copy_lanes=1,2,4")
     p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p

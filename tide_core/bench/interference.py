@@ -72,7 +72,10 @@ def _time_victim_under(victim, collective, reps: int, calls_per_rep: int, side) 
     return (statistics.median(inside) if inside else float("nan")), len(inside)
 
 
-def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 32, reps: int = 30) -> list[dict]:
+def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 32, reps: int = 30,
+                     tide_only: bool = False, label: str = "") -> list[dict]:
+    """Rows per (collective, victim); ``tide_only``: TIDE's collectives only, named with ``label``
+    (a --sweep variant)."""
     device = torch.device("cuda", torch.cuda.current_device())
     N = world_size
     lay_ag = GroupLayout.from_shapes(bench_shapes(30, size_mib * MiB, N), N, itemsize=2)
@@ -89,13 +92,16 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
     flat_out = torch.empty(N * lay_ag.total_shard_numel, dtype=torch.bfloat16, device=device)
     packed = torch.randn(N * lay_rs.total_shard_numel, generator=gen).to(device)
     collectives = {
-        "TIDE-AG": lambda: transport.all_gather(lay_ag, shards, landing).wait(),
-        "TIDE-RS": lambda: transport.reduce_scatter(lay_rs, grads, out, alpha=1.0 / N).wait(),
-        "stock FSDP2 AG": lambda: _stock_all_gather(lay_ag, shards, params, rank),
-        "stock FSDP2 RS": lambda: _stock_reduce_scatter(lay_rs, grads, out),
-        "NCCL AG": lambda: _all_gather(flat_out, flat_in),
-        "NCCL RS (fp32)": lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG),
+        f"TIDE-AG{label}": lambda: transport.all_gather(lay_ag, shards, landing).wait(),
+        f"TIDE-RS{label}": lambda: transport.reduce_scatter(lay_rs, grads, out, alpha=1.0 / N).wait(),
     }
+    if not tide_only:
+        collectives.update({
+            "stock FSDP2 AG": lambda: _stock_all_gather(lay_ag, shards, params, rank),
+            "stock FSDP2 RS": lambda: _stock_reduce_scatter(lay_rs, grads, out),
+            "NCCL AG": lambda: _all_gather(flat_out, flat_in),
+            "NCCL RS (fp32)": lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG),
+        })
     victims = _victims(device)
     for fn in victims.values():
         fn()

@@ -21,6 +21,7 @@ from tide_core.plan.reducescatter import (
     LatinSquarePlan,
     Level1Copy,
     Segment,
+    chunk_pieces,
     chunk_segments,
     contributor_index,
     inbox_gpu,
@@ -28,6 +29,7 @@ from tide_core.plan.reducescatter import (
     level1_copies,
     level1_order,
     level1_owner,
+    split_copies,
 )
 from tide_core.plan.solver import Calibration, SolverResult, solve
 from tide_core.plan.topology import Topology
@@ -51,6 +53,8 @@ __all__ = [
     "level1_order",
     "level1_copies",
     "chunk_segments",
+    "chunk_pieces",
+    "split_copies",
     "Chunk",
     "Segment",
     "Level1Copy",

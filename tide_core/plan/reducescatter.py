@@ -19,6 +19,7 @@ Association (identical in every transport, so results are bitwise equal for the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -296,3 +297,27 @@ def level1_copies(layout: GroupLayout, topo: Topology, sender: int, chunk_elems:
                         )
                     )
     return copies
+
+
+def chunk_pieces(length: int, piece_elems: int) -> list[tuple[int, int]]:
+    """Chunk-relative [lo, hi) element ranges of a chunk's pieces: a piece is what a push signals
+    as arrived and what one sum-kernel slice reads (``piece_elems`` <= 0: the chunk is one piece)."""
+    _check_int("length", length, 1)
+    if piece_elems <= 0 or piece_elems >= length:
+        return [(0, length)]
+    if piece_elems % 8:
+        raise PlanError(f"piece_elems={piece_elems} must be a multiple of 8 (the sum kernel's vector width)")
+    return [(lo, min(length, lo + piece_elems)) for lo in range(0, length, piece_elems)]
+
+
+def split_copies(copies: list[Level1Copy], pieces: list[tuple[int, int]]) -> list[list[Level1Copy]]:
+    """One chunk's ``copies`` cut at the pieces' boundaries, grouped by piece."""
+    by_piece: list[list[Level1Copy]] = [[] for _ in pieces]
+    for cp in copies:
+        lo_cp, hi_cp = cp.staging_offset, cp.staging_offset + cp.length
+        for i, (lo, hi) in enumerate(pieces):
+            a, b = max(lo, lo_cp), min(hi, hi_cp)
+            if a < b:
+                by_piece[i].append(dataclasses.replace(cp, src_offset=cp.src_offset + a - lo_cp, staging_offset=a,
+                                                       length=b - a))
+    return by_piece

@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 
 from tide_core.errors import TransportError
-from tide_core.plan import (GroupLayout, Topology, allgather_plan, chunk_segments, latin_square_plan, level1_copies,
-                            level1_order)
+from tide_core.plan import (GroupLayout, Topology, allgather_plan, chunk_pieces, chunk_segments, latin_square_plan,
+                            level1_copies, level1_order, split_copies)
 from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
@@ -51,8 +51,8 @@ from tide_core.transport.base import Transport, call_description, validate_all_g
 FLAG_LINE = 64  # one epoch counter per cache line
 # Flag kinds, one word per local rank. RS_INBOX: "the inbox block you sum arrived" (holder to
 # summer); RS_READ: "I read the block you hold" (summer to holder); both for multi-node groups.
-AG_READY, AG_DONE, RS_ARRIVAL, RS_CREDIT, AG_SCATTERED, RS_INBOX, RS_READ = range(7)
-FLAG_KINDS = 7
+# RS_ARRIVAL comes last: piece i of a chunk signals on kind RS_ARRIVAL + i.
+AG_READY, AG_DONE, RS_CREDIT, AG_SCATTERED, RS_INBOX, RS_READ, RS_ARRIVAL = range(7)
 RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one slot per kind per Bruck round
 RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
@@ -96,8 +96,8 @@ class _Level1Step:
     dest_node: int
     dest_rank: int  # the destination whose node partial this rank forms in the step
     chunks: list
-    copies: list  # per chunk: the Level1Copy pushes this rank issues
-    launches: list  # per chunk: sum kernel launches (first, count, segments)
+    pieces: list  # per chunk, per piece: (the Level1Copy pushes this rank issues, sum kernel launches
+    #               (first, count, segments)); a piece's launches start once its pushes arrived
     order: list  # staged node peers' local ranks, in the order their contributions are added
 
 
@@ -143,7 +143,14 @@ class CudaTransport(Transport):
         self.arena = Arena(allocator)
         self.faults = dict(faults or {})
 
-        self.flags = self.arena.segment("flags", FLAG_LINE * FLAG_KINDS * L)
+        # Pieces: the unit a reduce-scatter push signals and a sum slice reads (fp32 output elements,
+        # a multiple of 256); the most a chunk of 16-bit gradients has sizes the arrival flags.
+        slice_bytes = self.config.sum_slice_bytes
+        self.piece_elems = max(256, slice_bytes // 4 // 256 * 256) if slice_bytes else 0
+        self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
+        max_pieces = len(chunk_pieces(self.chunk_bytes // 2, self.piece_elems))
+        self.flag_kinds = RS_ARRIVAL + max_pieces
+        self.flags = self.arena.segment("flags", FLAG_LINE * self.flag_kinds * L)
         self.flags.base.zero_()
         self.rail = None
         self.waves = None
@@ -165,6 +172,8 @@ class CudaTransport(Transport):
         self.dev.synchronize()
         dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
 
+        # High priority, like FSDP2's collective streams: TIDE's kernels get SMs before queued
+        # compute (at the compute stream's priority the one-wave GEMM slowed more: docs/design.md).
         self.s_ready = self.dev.stream(priority=-1)
         self.s_local = self.dev.stream(priority=-1)
         self.s_lanes = [self.dev.stream(priority=-1) for _ in range(self.config.copy_lanes)]
@@ -187,7 +196,6 @@ class CudaTransport(Transport):
         self._programs: dict = {}
         self._checked: set = set()  # calls whose buffers were validated (and agreed on) once
         self.n_slots = self.config.chunk_slots
-        self.chunk_bytes = max(4096, self.config.chunk_bytes // 512 * 512)
         self.staging = None
         self.slot_bytes = 0
         self._staging_generation = 0
@@ -212,7 +220,7 @@ class CudaTransport(Transport):
     def _release_after_stall(self, what: str) -> None:
         L = self.topology.gpus_per_node
         newest = max(self.ag_epoch, self.rs_seq) + RELEASE_STEP
-        words = [self.local_flag(k, r) for k in range(FLAG_KINDS) for r in range(L)]
+        words = [self.local_flag(k, r) for k in range(self.flag_kinds) for r in range(L)]
         if self.rail is not None:
             words += [self.rail.flags.ptr + offset for offset in range(0, self.rail.flags.nbytes, FLAG_LINE)]
         self.dev.release_flags(words, newest)
@@ -506,8 +514,8 @@ class CudaTransport(Transport):
     def _rs_plan(self, layout: GroupLayout, chunk_elems: int) -> list["_Level1Step"]:
         """Level-1 steps of a call, c = 1..M (node n reduces for node (n + c) mod M; c = M is its
         own node, the only step when M = 1): the destination rank this rank owns in the step, its
-        chunks and kernel launches, the copies by chunk, and the staged peers' local ranks in the
-        order they are added."""
+        chunks, each chunk's pieces (the copies and the sum kernel launches of each), and the staged
+        peers' local ranks in the order they are added."""
         key = ("rs", layout.signature(), chunk_elems)
         if key in self._plans:
             return self._plans[key]
@@ -523,27 +531,29 @@ class CudaTransport(Transport):
                 if topo.node_of(cp.dest_rank) == m:
                     by_chunk[cp.chunk].append(cp)
             order = [topo.local_of(r) for r in level1_order(topo, dest, n) if r != self.rank]
-            steps.append(_Level1Step(c, m, dest, chunks, by_chunk, [self._split_launches(ch) for ch in chunks], order))
+            pieces = []
+            for chunk, chunk_copies in zip(chunks, by_chunk):
+                bounds = chunk_pieces(chunk.length, self.piece_elems)
+                pieces.append(list(zip(split_copies(chunk_copies, bounds),
+                                       [self._split_launches(chunk, lo, hi) for lo, hi in bounds])))
+            steps.append(_Level1Step(c, m, dest, chunks, pieces, order))
         self._plans[key] = steps
         return steps
 
-    def _split_launches(self, chunk) -> list[tuple[int, int, list]]:
-        """(first, count, segments) per kernel launch: at most MAX_SEGMENTS segments each, split at
-        8-element boundaries; a segment straddling a split appears in both launches."""
+    def _split_launches(self, chunk, lo: int, hi: int) -> list[tuple[int, int, list]]:
+        """(first, count, segments) per kernel launch over chunk elements [lo, hi): at most
+        MAX_SEGMENTS segments each, split at 8-element boundaries; a segment straddling a split
+        appears in both launches."""
         limit = self.dev.max_segments
-        segs = list(chunk.segments)
-        if len(segs) <= limit:
-            return [(0, chunk.length, segs)]
-        launches, first = [], 0
-        while first < chunk.length:
-            rel = [s for s in segs if s.out_offset - chunk.start + s.length > first]
-            take = rel[:limit]
+        launches, first = [], lo
+        while first < hi:
+            rel = [s for s in chunk.segments
+                   if s.out_offset - chunk.start + s.length > first and s.out_offset - chunk.start < hi]
             if len(rel) > limit:
-                end = (rel[limit].out_offset - chunk.start) // 8 * 8
-                end = max(end, first + 8)
+                end = max((rel[limit].out_offset - chunk.start) // 8 * 8, first + 8)
             else:
-                end = chunk.length
-            launches.append((first, end - first, [s for s in take if s.out_offset - chunk.start < end]))
+                end = hi
+            launches.append((first, end - first, [s for s in rel[:limit] if s.out_offset - chunk.start < end]))
             first = end
         return launches
 
@@ -698,25 +708,29 @@ class CudaTransport(Transport):
         for k, chunk in enumerate(step.chunks):
             q = first_seq + k
             slot = q % n_slots
-            copies = step.copies[k]
-            # Source side: push my rows of every owner into the owner's staging slot.
+            # Source side: push my rows of every owner into the owner's staging slot, piece by
+            # piece, each piece's arrival signalled on its own flag so its sum can start.
             if q >= n_slots and not self.faults.get("early_reuse"):
                 dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
-            owners = [self.topology.local_of(cp.owner) for cp in copies]
-            dev.copy_batch(self.s_push,
-                           [self._staging_slot(self.staging.peer_ptrs[cp.owner], j, me, slot) + cp.staging_offset * itemsize
-                            for cp, j in zip(copies, owners)],
-                           [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
-                           [cp.length * itemsize for cp in copies])
-            dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL), q + 1)
-            # Owner side: sum once every peer's rows arrived, then return the slot's credit.
-            dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL), q + 1)
+            for i, (copies, _) in enumerate(step.pieces[k] if self.peers else ()):
+                owners = [self.topology.local_of(cp.owner) for cp in copies]
+                dev.copy_batch(self.s_push,
+                               [self._staging_slot(self.staging.peer_ptrs[cp.owner], j, me, slot)
+                                + cp.staging_offset * itemsize for cp, j in zip(copies, owners)],
+                               [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
+                               [cp.length * itemsize for cp in copies])
+                dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL + i), q + 1)
+            # Owner side: sum each piece once every peer's rows of it arrived, then return the
+            # slot's credit.
             staged = [self._staging_slot(self.staging.ptr, me, j, slot) for j in step.order]
-            for first, count, segments in step.launches[k]:
-                dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
-                        [(sg.out_offset - chunk.start, sg.length, sg.valid, grad_ptr[sg.param] + sg.src_offset * itemsize)
-                         for sg in segments],
-                        first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
+            for i, (_, launches) in enumerate(step.pieces[k]):
+                if self.peers:
+                    dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL + i), q + 1)
+                for first, count, segments in launches:
+                    dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
+                            [(sg.out_offset - chunk.start, sg.length, sg.valid,
+                              grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segments],
+                            first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
             if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
                 # credit only matters when nothing newer follows it, so the fault drops them from q on
                 dev.write_flags(self.s_sum, self._peer_flags(RS_CREDIT), q + 1)
@@ -815,9 +829,10 @@ class CudaTransport(Transport):
                     else:
                         dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
                 blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in group]
-                dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])], 0, E,
-                        float(alpha) if single else 1.0, bool(accumulate) if single else k > 0, torch.float32,
-                        self.config.sum_ctas)
+                for lo, hi in chunk_pieces(E, self.piece_elems):  # slices (see sum_slice_mib)
+                    dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
+                            lo, hi - lo, float(alpha) if single else 1.0,
+                            bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
                     if cc == M or not credits_on:
@@ -834,8 +849,9 @@ class CudaTransport(Transport):
         # One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
         # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:
-            dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], 0, E, float(alpha), bool(accumulate),
-                    torch.float32, self.config.sum_ctas)
+            for lo, hi in chunk_pieces(E, self.piece_elems):
+                dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], lo, hi - lo, float(alpha),
+                        bool(accumulate), torch.float32, self.config.sum_ctas)
         dev.wait_event(self.s_sum, dev.record(self.s_relay))
 
     def close(self) -> None:

@@ -51,13 +51,14 @@ class TIDEConfig:
     #: local_copy_ctas CTAs) or "ce" (a copy-engine batch: ~7 us of host time per parameter).
     local_copy: str = "kernel"
     local_copy_ctas: int = 16
-    #: Reduce-scatter: the sum kernel runs in slices that each write at most this many MiB of fp32
-    #: output, and the pushes signal each slice's rows as they arrive, so a chunk's sum starts
-    #: before its whole push landed and a compute kernel launched meanwhile waits at most one slice
-    #: for its SMs. Each slice costs ~9 us of host enqueue (a signal, a wait, a launch): 16 measured
-    #: best on 2xH200, 4 halves the one-wave GEMM slowdown of 16 but slows the call (docs/design.md).
-    #: 0: one launch per chunk.
-    sum_slice_mib: float = 16.0
+    #: Reduce-scatter: 0 (default) runs one sum kernel per chunk. > 0 cuts each chunk into slices
+    #: that write at most this many MiB of fp32 output each: the pushes signal each slice's rows as
+    #: they arrive, so a slice's sum starts before the whole chunk landed, and a compute kernel
+    #: launched meanwhile waits at most one slice for its SMs. Measured on 2xH200 (docs/design.md):
+    #: 16 cuts the one-wave GEMM's slowdown under TIDE-RS from +137-170% to +90-99% at the same call
+    #: time, but training steps were not faster; 4 costs ~9 us of host enqueue per slice and slows
+    #: the call by ~40%.
+    sum_slice_mib: float = 0.0
     #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
     #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
     rail: str = "auto"

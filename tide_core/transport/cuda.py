@@ -19,6 +19,9 @@ for "arrived q" from every peer, run the short sum kernel (fp32, staged peers in
 rank, then the owner's own rows read in place; alpha and accumulate folded; FSDP2's packed fp32
 shard written), return the credit. The kernel never polls peers: all waiting is stream memory
 operations. Arithmetic is exactly the reference transport's, so results are bitwise equal.
+With ``sum_slice_mib`` > 0 a chunk is pushed, signalled ("arrived q" on one flag per piece) and
+summed piece by piece, so a piece's sum starts before the chunk's last piece landed and each sum
+kernel is short (a compute kernel launched meanwhile waits less for SMs).
 
 Multi-node groups (M nodes x L GPUs): the all-gather adds the Bruck rounds of Section 3.1 over a
 rail transport (``tide_core.transport.rail``): pushes into the rail peers' receive stage with

@@ -181,6 +181,22 @@ def _ag_reorder(rank, world_size, tag):
         alloc.cleanup()
 
 
+def _mismatched_slices(rank, world_size, tag):
+    from tide_core.errors import RankMismatchError
+
+    try:
+        t, dev, alloc = _transport(world_size, tag, slice_bytes=1024 * (1 + rank))
+    except RankMismatchError as exc:
+        return str(exc)
+    shut_down(dev, alloc)
+    return "constructed"
+
+
+def test_ranks_with_different_protocol_settings_abort_naming_the_field():
+    messages = run_distributed(_mismatched_slices, 2, args=(uuid.uuid4().hex[:8],), timeout=60)
+    assert all("CudaTransport: ranks disagree" in m and "config.sum_slice_mib" in m for m in messages), messages
+
+
 def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
     """CUDA maps streams onto a few hardware FIFOs (CUDA_DEVICE_MAX_CONNECTIONS); a blocked stream
     wait then stalls every later operation behind it. The enqueue order must still make progress."""

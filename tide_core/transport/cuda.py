@@ -58,6 +58,8 @@ FLAG_LINE = 64  # one epoch counter per cache line
 AG_READY, AG_DONE, RS_CREDIT, AG_SCATTERED, RS_INBOX, RS_READ, RS_ARRIVAL = range(7)
 RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one slot per kind per Bruck round
 RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
+# TIDEConfig fields every rank of a group must share (chunking, slots, pieces, plans, rail).
+PROTOCOL_FIELDS = ("mode", "chunk_mib", "chunk_slots", "sum_slice_mib", "wave_width", "round_width", "rail")
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
 
@@ -145,6 +147,10 @@ class CudaTransport(Transport):
         self.device = torch.device(device) if device is not None else backend.device
         self.arena = Arena(allocator)
         self.faults = dict(faults or {})
+        # Ranks that size or pace the protocol differently would allocate different symmetric
+        # segments and wait on flags nobody writes: abort on every rank now, naming the field.
+        check_agreement({f"config.{name}": getattr(self.config, name) for name in PROTOCOL_FIELDS},
+                        self.groups.group, "CudaTransport")
 
         # Pieces: the unit a reduce-scatter push signals and a sum slice reads (fp32 output elements,
         # a multiple of 256); the most a chunk of 16-bit gradients has sizes the arrival flags.

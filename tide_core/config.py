@@ -55,9 +55,9 @@ class TIDEConfig:
     #: that write at most this many MiB of fp32 output each: the pushes signal each slice's rows as
     #: they arrive, so a slice's sum starts before the whole chunk landed, and a compute kernel
     #: launched meanwhile waits at most one slice for its SMs. Measured on 2xH200 (docs/design.md):
-    #: 16 cuts the one-wave GEMM's slowdown under TIDE-RS from +137-170% to +90-99% at the same call
-    #: time, but training steps were not faster; 4 costs ~9 us of host enqueue per slice and slows
-    #: the call by ~40%.
+    #: 16 cuts the one-wave GEMM's slowdown under TIDE-RS from +137-171% to +90-94% at about the
+    #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
+    #: ~9 us of host enqueue per slice and made the call up to 65% slower.
     sum_slice_mib: float = 0.0
     #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
     #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).

@@ -59,6 +59,10 @@ class TIDEConfig:
     #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
     #: ~9 us of host enqueue per slice and made the call up to 65% slower.
     sum_slice_mib: float = 0.0
+    #: CUDA transport: replay each recorded call as one CUDA graph launch (flag values set per
+    #: launch) instead of one driver call per operation. Calls of one kind (all-gathers, reduce-
+    #: scatters) then run one after another on a launch stream of their own.
+    graph_replay: bool = False
     #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
     #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
     rail: str = "auto"
@@ -122,7 +126,7 @@ class TIDEConfig:
         for f in fields(cls):
             key = f"TIDE_{f.name.upper()}"
             if base is None and key in environ:
-                values[f.name] = _parse(f, environ[key], key)
+                values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
@@ -133,7 +137,9 @@ class TIDEConfig:
         return dataclasses.asdict(self)
 
 
-def _parse(field: dataclasses.Field, raw: str, key: str):
+def parse_field(field: dataclasses.Field, raw: str, where: str):
+    """``raw`` as a value of ``field`` (bools from 1/0, true/false, yes/no, on/off); ``where`` names
+    the source in the error."""
     kind = str(field.type)
     text = raw.strip()
     try:
@@ -151,4 +157,4 @@ def _parse(field: dataclasses.Field, raw: str, key: str):
             return float(text)
         return text
     except ValueError:
-        raise ValueError(f"environment variable {key}={raw!r} cannot be parsed as {kind}") from None
+        raise ValueError(f"{where}={raw!r} cannot be parsed as {kind}") from None

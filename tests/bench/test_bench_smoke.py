@@ -55,3 +55,17 @@ def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     assert "TIDE In-Place vs stock (same data)" in report
     timing = json.loads((tmp_path / "tiny-timing.json").read_text())
     assert set(timing["points"]["64"]) == {"stock", "in_place", "slot_reuse"}
+
+
+def test_sweep_values_are_parsed_as_the_field_type():
+    import argparse
+
+    import pytest
+
+    from tide_core.bench.cli import _sweep
+
+    assert _sweep("graph_replay=0,1,off,true") == ("graph_replay", [False, True, False, True])
+    assert _sweep("sum_kernel=tma,regs") == ("sum_kernel", ["tma", "regs"])
+    assert _sweep("chunk_slots=2,3") == ("chunk_slots", [2, 3])
+    with pytest.raises(argparse.ArgumentTypeError, match="--sweep graph_replay='maybe' cannot be parsed as bool"):
+        _sweep("graph_replay=maybe")

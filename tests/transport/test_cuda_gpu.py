@@ -20,7 +20,7 @@ def _gpus() -> int:
     return min(torch.cuda.device_count(), 8)
 
 
-def _suite(rank, world_size, seed):
+def _suite(rank, world_size, seed, graph_replay):
     from tide_core.transport.cuda import CudaTransport
     from tide_core.transport.reference import ReferenceTransport
 
@@ -29,8 +29,9 @@ def _suite(rank, world_size, seed):
     report = {"max_rel_err": 0.0, "ag_cases": 0, "rs_cases": 0}
     rng = np.random.default_rng(seed)
     # many chunks, each in 2 pieces with their own arrival signals
-    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625))
-    big = CudaTransport(topo, config=TIDEConfig(timeout_s=60))
+    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625,
+                                                  graph_replay=graph_replay))
+    big = CudaTransport(topo, config=TIDEConfig(timeout_s=60, graph_replay=graph_replay))
     ref = ReferenceTransport(topo)
     slot = 0
     for case in range(4):
@@ -93,27 +94,59 @@ def _suite(rank, world_size, seed):
         mask = torch.ones_like(out, dtype=torch.bool)
         mask[start : start + 2] = False
         assert torch.isfinite(out[mask]).all()
+    # FSDP2's steady state: the same buffers every step with fresh data, so calls replay their
+    # recorded programs (graph replay: one graph per program, flag values set per launch)
+    shapes = random_shapes(rng, world_size, max_params=20) + [(world_size * 2048 + 3, 33)]
+    lay = layout_for(shapes, world_size, 2)
+    for name, t in (("small", small), ("big", big)):
+        outs = t.landing_buffers(lay, slot=f"steady_{name}", dtype=torch.bfloat16)
+        shard_bufs = [torch.empty(lay.shard_numel(p), dtype=torch.bfloat16, device=dev) for p in range(lay.num_params)]
+        grad_bufs = [torch.empty(shape, dtype=torch.bfloat16, device=dev) for shape in shapes]
+        out = torch.empty(lay.total_shard_numel, device=dev)
+        for step in range(4):
+            fresh = all_shards(seed + 50 + step, lay, torch.bfloat16)
+            for buf, value in zip(shard_bufs, fresh[rank]):
+                buf.copy_(value)
+            for o in outs:
+                o.fill_(float("nan"))
+            t.all_gather(lay, shard_bufs, outs).wait()
+            for buf, value in zip(grad_bufs, all_grads(seed + 60 + step, shapes, world_size, torch.bfloat16)[rank]):
+                buf.copy_(value)
+            out.fill_(float("nan"))
+            t.reduce_scatter(lay, grad_bufs, out, alpha=0.5).wait()
+            expect = torch.empty_like(out)
+            ref.reduce_scatter(lay, grad_bufs, expect, alpha=0.5)
+            torch.cuda.synchronize()
+            for p in range(lay.num_params):
+                assert torch.equal(outs[p].cpu(), expected_unsharded(lay, fresh, p)), (step, p)
+            assert torch.equal(out, expect), step
+    report["graph_errors"] = [p.graph_error for t in (small, big) for p in t._programs.values() if p.graph_error]
+    report["programs"] = len(big._programs)
     report["staging_bytes"] = big.staging_bytes
     report["reserved_bytes"] = torch.cuda.memory_reserved(dev)
     report["arena_bytes"] = big.arena.reserved_bytes + small.arena.reserved_bytes
     return report
 
 
-def test_cuda_transport_bitwise_equal_to_reference_and_fp64():
-    reports = run_distributed(_suite, _gpus(), args=(7,), backend="nccl", timeout=150)
+@pytest.mark.parametrize("graph_replay", [False, True])
+def test_cuda_transport_bitwise_equal_to_reference_and_fp64(graph_replay):
+    reports = run_distributed(_suite, _gpus(), args=(7, graph_replay), backend="nccl", timeout=150)
     worst = max(r["max_rel_err"] for r in reports)
-    print(f"\ncuda transport: {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} RS cases bitwise equal to the "
-          f"reference transport; max rel err vs fp64 {worst:.3e}; staging {reports[0]['staging_bytes']} B")
+    print(f"\ncuda transport (graph_replay={graph_replay}): {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} "
+          f"RS cases bitwise equal to the reference transport; max rel err vs fp64 {worst:.3e}; "
+          f"staging {reports[0]['staging_bytes']} B; graph errors {reports[0]['graph_errors']}")
+    assert all(not r["graph_errors"] for r in reports)  # every program ran as a graph (or eagerly, as asked)
     assert reports[0]["reserved_bytes"] >= reports[0]["arena_bytes"]  # arena counted by torch's allocator
 
 
-def _faults(rank, world_size, fault, faulty_rank):
+def _faults(rank, world_size, fault, faulty_rank, graph_replay):
     from tide_core.transport.cuda import CudaTransport
     from tide_core.transport.reference import ReferenceTransport
 
     dev = torch.device("cuda", rank)
     topo = Topology(1, world_size)
-    t = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
+    t = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1,
+                                              graph_replay=graph_replay),
                       faults=fault if rank == faulty_rank else None)
     ref = ReferenceTransport(topo)
     shapes = [(world_size * 8192, 33), (37,), (2 * world_size + 1, 5)]
@@ -158,11 +191,12 @@ GPU_FAULTS = {
 }
 
 
+@pytest.mark.parametrize("graph_replay", [False, True])
 @pytest.mark.parametrize("name", list(GPU_FAULTS))
-def test_gpu_fault_injection_is_detected(name):
+def test_gpu_fault_injection_is_detected(name, graph_replay):
     fault, faulty, expected = GPU_FAULTS[name]
-    outcomes = run_distributed(_faults, 2, args=(fault, faulty), backend="nccl", timeout=60)
-    print(f"\nfault '{name}': {outcomes}")
+    outcomes = run_distributed(_faults, 2, args=(fault, faulty, graph_replay), backend="nccl", timeout=60)
+    print(f"\nfault '{name}' (graph_replay={graph_replay}): {outcomes}")
     if expected == "timeout":
         assert all(o["timeout"] for o in outcomes)
     else:

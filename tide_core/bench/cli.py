@@ -119,14 +119,16 @@ def run_train(args) -> None:
 
 
 def _sweep(text: str) -> tuple[str, list]:
-    from tide_core.config import TIDEConfig
+    from tide_core.config import TIDEConfig, parse_field
 
     key, _, values = text.partition("=")
     known = TIDEConfig.__dataclass_fields__
     if key not in known or not values:
         raise argparse.ArgumentTypeError(f"--sweep wants FIELD=V1,V2 with FIELD one of {sorted(known)}")
-    parse = {"int": int, "float": float}.get(str(known[key].type), str)
-    return key, [parse(v) for v in values.split(",")]
+    try:
+        return key, [parse_field(known[key], v, f"--sweep {key}") for v in values.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -105,8 +105,6 @@ PYBIND11_MODULE(_C, m) {
       .def("set_outputs", &tide::StreamProgram::set_outputs, py::arg("events"), py::arg("ring"))
       .def("replay", &tide::StreamProgram::replay, py::arg("caller_stream"), py::arg("base"),
            py::call_guard<py::gil_scoped_release>())
-      .def("replay_graph", &tide::StreamProgram::replay_graph, py::arg("caller_stream"), py::arg("launch_stream"),
-           py::arg("base"), py::call_guard<py::gil_scoped_release>())
       .def("__len__", &tide::StreamProgram::size);
   m.def("event_query", &tide::event_query, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   m.def("stream_wait_event", &tide::stream_wait_event, py::arg("stream"), py::arg("event"),

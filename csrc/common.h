@@ -30,16 +30,6 @@ namespace tide {
     if (!(cond)) ::tide::fail((what), __FILE__, __LINE__); \
   } while (0)
 
-// A kernel launch described once, for a stream launch (cudaLaunchKernel) or a graph kernel node:
-// `params` point into the launch's argument struct, which must outlive the launch or node creation.
-struct KernelCall {
-  const void* func = nullptr;
-  dim3 grid;
-  dim3 block;
-  size_t smem = 0;
-  void* params[3] = {nullptr, nullptr, nullptr};
-};
-
 inline cudaStream_t as_stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 inline void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
 

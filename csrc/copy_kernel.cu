@@ -59,20 +59,10 @@ std::vector<CopyArgs> make_copy_args(const std::vector<uint64_t>& dsts, const st
   return launches;
 }
 
-KernelCall copy_kernel_call(const CopyArgs& args, int ctas) {
-  KernelCall call;
-  call.func = reinterpret_cast<const void*>(copy_kernel);
-  call.grid = dim3(std::max(ctas, 1));
-  call.block = dim3(kThreads);
-  call.params[0] = const_cast<CopyArgs*>(&args);
-  return call;
-}
-
 void launch_copy(const CopyArgs& args, int ctas, uint64_t stream) {
   if (args.n == 0) return;
-  const KernelCall call = copy_kernel_call(args, ctas);
-  TIDE_CUDA_CHECK(cudaLaunchKernel(call.func, call.grid, call.block, const_cast<void**>(call.params), call.smem,
-                                   as_stream(stream)));
+  copy_kernel<<<std::max(ctas, 1), kThreads, 0, as_stream(stream)>>>(args);
+  TIDE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tide

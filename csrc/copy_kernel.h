@@ -6,8 +6,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "common.h"
-
 namespace tide {
 
 constexpr int kMaxCopySegments = 96;  // per launch (keeps the kernel arguments < 4 KB)
@@ -23,6 +21,5 @@ struct CopyArgs {
 std::vector<CopyArgs> make_copy_args(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
                                      const std::vector<uint64_t>& sizes);
 void launch_copy(const CopyArgs& args, int ctas, uint64_t stream);
-KernelCall copy_kernel_call(const CopyArgs& args, int ctas);  // the launch_copy launch; args must outlive it
 
 }  // namespace tide

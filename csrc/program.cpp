@@ -1,7 +1,5 @@
 #include "program.h"
 
-#include <algorithm>
-
 #include "common.h"
 #include "copy_engine.h"
 #include "signals.h"
@@ -28,9 +26,6 @@ StreamProgram::StreamProgram(int num_events) {
 }
 
 StreamProgram::~StreamProgram() {
-  if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-  if (graph_ != nullptr) cudaGraphDestroy(graph_);
-  if (graph_start_ != nullptr) cudaEventDestroy(graph_start_);
   for (auto e : events_) cudaEventDestroy(e);
   for (auto& ring : output_ring_)
     for (auto e : ring) cudaEventDestroy(e);
@@ -156,125 +151,9 @@ std::vector<uint64_t> StreamProgram::replay(uint64_t caller_stream, int64_t base
         break;
     }
   }
-  return output_handles(slot);
-}
-
-std::vector<uint64_t> StreamProgram::output_handles(size_t slot) const {
   std::vector<uint64_t> handles;
   for (size_t k = 0; k < outputs_.size(); ++k) handles.push_back(reinterpret_cast<uint64_t>(output_ring_[k][slot]));
   return handles;
-}
-
-// The recording as a graph: each stream's operations in order (an operation depends on what its
-// stream last did), an event wait adds the dependencies the event's record saw, a copy batch becomes
-// parallel copy nodes (a batch's copies are unordered too), a kernel a kernel node, a flag operation a
-// batch memory-op node. Events are only dependencies here; the caller's events are recorded after
-// the launch.
-void StreamProgram::build_graph(int64_t base) {
-  TIDE_CUDA_CHECK(cudaGraphCreate(&graph_, 0));
-  std::vector<std::pair<uint64_t, std::vector<cudaGraphNode_t>>> tails;  // per stream: the nodes it last added
-  auto tail = [&](uint64_t stream) -> std::vector<cudaGraphNode_t>& {
-    for (auto& t : tails)
-      if (t.first == stream) return t.second;
-    tails.emplace_back(stream, std::vector<cudaGraphNode_t>{});
-    return tails.back().second;
-  };
-  std::vector<std::vector<cudaGraphNode_t>> recorded(events_.size());
-  auto add_kernel = [&](std::vector<cudaGraphNode_t>& deps, const KernelCall& call) {
-    cudaKernelNodeParams params = {};
-    params.func = const_cast<void*>(call.func);
-    params.gridDim = call.grid;
-    params.blockDim = call.block;
-    params.sharedMemBytes = static_cast<unsigned int>(call.smem);
-    params.kernelParams = const_cast<void**>(call.params);
-    cudaGraphNode_t node = nullptr;
-    TIDE_CUDA_CHECK(cudaGraphAddKernelNode(&node, graph_, deps.data(), deps.size(), &params));
-    deps.assign(1, node);
-  };
-  for (size_t i = 0; i < ops_.size(); ++i) {
-    const Op& op = ops_[i];
-    std::vector<cudaGraphNode_t>& deps = tail(op.stream);
-    switch (op.kind) {
-      case Op::kRecord:
-        recorded[op.event] = deps;
-        break;
-      case Op::kWaitEvent:
-        for (cudaGraphNode_t n : recorded[op.event])
-          if (std::find(deps.begin(), deps.end(), n) == deps.end()) deps.push_back(n);
-        break;
-      case Op::kWriteFlags:
-      case Op::kWaitFlags: {
-        if (op.addresses.empty()) break;
-        const bool wait = op.kind == Op::kWaitFlags;
-        cudaGraphNode_t node =
-            graph_add_flags(graph_, deps, wait, op.addresses, static_cast<uint32_t>(base + op.value_offset));
-        flag_nodes_.emplace_back(node, i);
-        deps.assign(1, node);
-        break;
-      }
-      case Op::kCopyBatch: {
-        std::vector<cudaGraphNode_t> copies;
-        for (size_t k = 0; k < op.addresses.size(); ++k) {
-          if (op.sizes[k] == 0) continue;
-          cudaGraphNode_t node = nullptr;
-          TIDE_CUDA_CHECK(cudaGraphAddMemcpyNode1D(&node, graph_, deps.data(), deps.size(), as_ptr(op.addresses[k]),
-                                                   as_ptr(op.srcs[k]), op.sizes[k], cudaMemcpyDefault));
-          copies.push_back(node);
-        }
-        if (!copies.empty()) deps = copies;
-        break;
-      }
-      case Op::kCopy2D: {
-        if (op.sizes[0] == 0 || op.sizes[1] == 0) break;
-        cudaMemcpy3DParms p = {};
-        p.srcPtr = make_cudaPitchedPtr(as_ptr(op.srcs[0]), op.srcs[1], op.sizes[0], op.sizes[1]);
-        p.dstPtr = make_cudaPitchedPtr(as_ptr(op.addresses[0]), op.addresses[1], op.sizes[0], op.sizes[1]);
-        p.extent = make_cudaExtent(op.sizes[0], op.sizes[1], 1);
-        p.kind = cudaMemcpyDefault;
-        cudaGraphNode_t node = nullptr;
-        TIDE_CUDA_CHECK(cudaGraphAddMemcpyNode(&node, graph_, deps.data(), deps.size(), &p));
-        deps.assign(1, node);
-        break;
-      }
-      case Op::kCopyKernel:
-        for (const CopyArgs& args : op.copies)
-          if (args.n > 0) add_kernel(deps, copy_kernel_call(args, op.ctas));
-        break;
-      case Op::kSum:
-        if (op.sum->args.count > 0) add_kernel(deps, sum_kernel_call(*op.sum));
-        break;
-    }
-  }
-  TIDE_CUDA_CHECK(cudaGraphInstantiate(&exec_, graph_, 0));
-  TIDE_CUDA_CHECK(cudaEventCreateWithFlags(&graph_start_, cudaEventDisableTiming));
-}
-
-std::vector<uint64_t> StreamProgram::replay_graph(uint64_t caller_stream, uint64_t launch_stream, int64_t base) {
-  if (exec_ == nullptr) {
-    try {
-      build_graph(base);
-    } catch (...) {  // leave the program replayable (eagerly) and a later build clean
-      if (graph_ != nullptr) cudaGraphDestroy(graph_);
-      graph_ = nullptr;
-      flag_nodes_.clear();
-      cudaGetLastError();
-      throw;
-    }
-  } else {
-    for (const auto& [node, index] : flag_nodes_) {
-      const Op& op = ops_[index];
-      graph_exec_set_flags(exec_, node, op.kind == Op::kWaitFlags, op.addresses,
-                           static_cast<uint32_t>(base + op.value_offset));
-    }
-  }
-  const size_t slot = output_ring_.empty() ? 0 : replays_ % output_ring_[0].size();
-  ++replays_;
-  cudaStream_t launch = as_stream(launch_stream);
-  TIDE_CUDA_CHECK(cudaEventRecord(graph_start_, as_stream(caller_stream)));
-  TIDE_CUDA_CHECK(cudaStreamWaitEvent(launch, graph_start_, 0));
-  TIDE_CUDA_CHECK(cudaGraphLaunch(exec_, launch));
-  for (auto& ring : output_ring_) TIDE_CUDA_CHECK(cudaEventRecord(ring[slot], launch));
-  return output_handles(slot);
 }
 
 size_t StreamProgram::size() const { return ops_.size(); }

@@ -3,9 +3,6 @@
 // replayed per call with one host call. Flag values are stored relative to a base (the call's
 // epoch or first chunk number) given at replay. Replaying costs the driver calls alone, not
 // Python's per-call overhead (measured: ~25-50 us between consecutive Python-issued calls).
-// Graph replay goes further: the recording becomes one CUDA graph (its streams' order as edges,
-// a copy batch as parallel copy nodes, flags as batch memory-op nodes whose values are set per
-// launch), so a call costs one graph launch instead of a driver call per operation.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,23 +42,13 @@ class StreamProgram {
 
   // Enqueues the whole program; returns the output events' handles (cudaEvent_t as integers).
   std::vector<uint64_t> replay(uint64_t caller_stream, int64_t base);
-  // The same as one CUDA graph launched on `launch_stream` after the caller stream's work so far;
-  // every output event is recorded at the graph's end. Launches of graphs that share flags must
-  // share `launch_stream`: it keeps their flag writes in call order, as the streams of replay() do.
-  std::vector<uint64_t> replay_graph(uint64_t caller_stream, uint64_t launch_stream, int64_t base);
   size_t size() const;
 
  private:
   struct Op;
   void add_flag_op(int kind, uint64_t stream, const std::vector<uint64_t>& addresses, int64_t value_offset);
-  void build_graph(int64_t base);
-  std::vector<uint64_t> output_handles(size_t slot) const;
   std::vector<Op> ops_;
   std::vector<cudaEvent_t> events_;
-  cudaGraph_t graph_ = nullptr;
-  cudaGraphExec_t exec_ = nullptr;
-  std::vector<std::pair<cudaGraphNode_t, size_t>> flag_nodes_;  // (node, index of its op)
-  cudaEvent_t graph_start_ = nullptr;
   std::vector<int> outputs_;
   std::vector<std::vector<cudaEvent_t>> output_ring_;
   uint64_t replays_ = 0;

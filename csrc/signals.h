@@ -3,8 +3,6 @@
 // record events too. Driver entry points are fetched at run time: no libcuda link needed.
 #pragma once
 
-#include <cuda_runtime.h>
-
 #include <cstdint>
 #include <vector>
 
@@ -15,12 +13,5 @@ bool stream_memops_available();
 void stream_write_u32(uint64_t stream, const std::vector<uint64_t>& addresses, uint32_t value);
 // Block the stream until every address holds a value v with (int32)(v - value) >= 0.
 void stream_wait_u32(uint64_t stream, const std::vector<uint64_t>& addresses, uint32_t value);
-
-// The same operations as CUDA graph nodes (batch memory-op nodes): added once with `deps`, their
-// value set again per launch of an instantiated graph.
-cudaGraphNode_t graph_add_flags(cudaGraph_t graph, const std::vector<cudaGraphNode_t>& deps, bool wait,
-                                const std::vector<uint64_t>& addresses, uint32_t value);
-void graph_exec_set_flags(cudaGraphExec_t exec, cudaGraphNode_t node, bool wait,
-                          const std::vector<uint64_t>& addresses, uint32_t value);
 
 }  // namespace tide

@@ -194,18 +194,17 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
   }
 }
 
-// The register kernel for n_staged 16-bit sources: compile-time source counts up to 7, else generic.
 template <typename T>
-const void* register_kernel(int n_staged) {
-  switch (n_staged) {
-    case 1: return reinterpret_cast<const void*>(sum_fast_kernel<T, 1, 8>);
-    case 2: return reinterpret_cast<const void*>(sum_fast_kernel<T, 2, 4>);
-    case 3: return reinterpret_cast<const void*>(sum_fast_kernel<T, 3, 4>);
-    case 4: return reinterpret_cast<const void*>(sum_fast_kernel<T, 4, 2>);
-    case 5: return reinterpret_cast<const void*>(sum_fast_kernel<T, 5, 2>);
-    case 6: return reinterpret_cast<const void*>(sum_fast_kernel<T, 6, 2>);
-    case 7: return reinterpret_cast<const void*>(sum_fast_kernel<T, 7, 2>);
-    default: return reinterpret_cast<const void*>(sum_kernel<T>);
+bool launch_fast(const SumArgs& a, int blocks, cudaStream_t s) {
+  switch (a.n_staged) {
+    case 1: sum_fast_kernel<T, 1, 8><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 2: sum_fast_kernel<T, 2, 4><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 3: sum_fast_kernel<T, 3, 4><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 4: sum_fast_kernel<T, 4, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 5: sum_fast_kernel<T, 5, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 6: sum_fast_kernel<T, 6, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    case 7: sum_fast_kernel<T, 7, 2><<<blocks, kThreads, 0, s>>>(a); return true;
+    default: return false;
   }
 }
 
@@ -498,32 +497,23 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
   return l;
 }
 
-KernelCall sum_kernel_call(const SumLaunch& l) {
-  KernelCall call;
-  call.grid = dim3(l.blocks);
-  call.params[0] = const_cast<SumArgs*>(&l.args);
-  if (l.kernel == kSumTma) {
-    call.func = reinterpret_cast<const void*>(tma_kernel(l.dtype, l.args.n_staged));
-    call.block = dim3(kTmaThreads);
-    call.smem = l.smem_bytes;
-    call.params[1] = const_cast<int*>(&l.tile);
-    call.params[2] = const_cast<int*>(&l.stages);
-    return call;
-  }
-  call.block = dim3(kThreads);
-  switch (l.dtype) {
-    case 0: call.func = register_kernel<__nv_bfloat16>(l.args.n_staged); break;
-    case 1: call.func = register_kernel<__half>(l.args.n_staged); break;
-    default: call.func = reinterpret_cast<const void*>(sum_kernel<float>); break;
-  }
-  return call;
-}
-
 void launch_sum(const SumLaunch& l, uint64_t stream) {
   if (l.args.count <= 0) return;
-  const KernelCall call = sum_kernel_call(l);
-  TIDE_CUDA_CHECK(cudaLaunchKernel(call.func, call.grid, call.block, const_cast<void**>(call.params), call.smem,
-                                   as_stream(stream)));
+  cudaStream_t s = as_stream(stream);
+  const SumArgs& a = l.args;
+  if (l.kernel == kSumTma) {
+    int tile = l.tile, stages = l.stages;
+    void* params[] = {const_cast<SumArgs*>(&a), &tile, &stages};
+    TIDE_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(tma_kernel(l.dtype, a.n_staged)), l.blocks,
+                                     kTmaThreads, params, l.smem_bytes, s));
+    return;
+  }
+  switch (l.dtype) {
+    case 0: if (!launch_fast<__nv_bfloat16>(a, l.blocks, s)) sum_kernel<__nv_bfloat16><<<l.blocks, kThreads, 0, s>>>(a); break;
+    case 1: if (!launch_fast<__half>(a, l.blocks, s)) sum_kernel<__half><<<l.blocks, kThreads, 0, s>>>(a); break;
+    default: sum_kernel<float><<<l.blocks, kThreads, 0, s>>>(a); break;
+  }
+  TIDE_CUDA_CHECK(cudaGetLastError());
 }
 
 }  // namespace tide

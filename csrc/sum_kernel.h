@@ -4,8 +4,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "common.h"
-
 namespace tide {
 
 constexpr int kMaxSources = 16;   // staged contributions per chunk (L - 1 <= 15)
@@ -59,7 +57,5 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
                           int kernel = kSumAuto);
 void launch_sum(const SumLaunch& launch, uint64_t stream);
-// The launch launch_sum makes (count > 0); `launch` must outlive it (the parameters point into it).
-KernelCall sum_kernel_call(const SumLaunch& launch);
 
 }  // namespace tide

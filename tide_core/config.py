@@ -59,10 +59,6 @@ class TIDEConfig:
     #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
     #: ~9 us of host enqueue per slice and made the call up to 65% slower.
     sum_slice_mib: float = 0.0
-    #: CUDA transport: replay each recorded call as one CUDA graph launch (flag values set per
-    #: launch) instead of one driver call per operation. Calls of one kind (all-gathers, reduce-
-    #: scatters) then run one after another on a launch stream of their own.
-    graph_replay: bool = False
     #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
     #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
     rail: str = "auto"

@@ -64,8 +64,8 @@ def test_sweep_values_are_parsed_as_the_field_type():
 
     from tide_core.bench.cli import _sweep
 
-    assert _sweep("graph_replay=0,1,off,true") == ("graph_replay", [False, True, False, True])
+    assert _sweep("ring=0,1,off,true") == ("ring", [False, True, False, True])
     assert _sweep("sum_kernel=tma,regs") == ("sum_kernel", ["tma", "regs"])
     assert _sweep("chunk_slots=2,3") == ("chunk_slots", [2, 3])
-    with pytest.raises(argparse.ArgumentTypeError, match="--sweep graph_replay='maybe' cannot be parsed as bool"):
-        _sweep("graph_replay=maybe")
+    with pytest.raises(argparse.ArgumentTypeError, match="--sweep ring='maybe' cannot be parsed as bool"):
+        _sweep("ring=maybe")

@@ -59,43 +59,6 @@ def test_stream_program_replays_with_relative_flag_values():
     assert len(set(handles)) == 3 and all(lib.event_query(h) for h in handles)  # one ring entry per replay
 
 
-def test_graph_replay_sets_flag_values_per_launch_and_keeps_stream_order():
-    """One program as a CUDA graph: a side stream writes base+1 into a flag, the caller-stream
-    branch waits for it, then a copy batch (parallel copy nodes), a 2-D copy, a copy kernel and a
-    sum kernel, each reading what the one before wrote. Launched with three bases."""
-    lib = native.lib()
-    flag = torch.zeros(16, dtype=torch.int32, device="cuda")
-    n = 1 << 16
-    src = torch.randn(n, device="cuda").to(torch.bfloat16)
-    a, b, c = (torch.zeros(n, dtype=torch.bfloat16, device="cuda") for _ in range(3))
-    out = torch.zeros(n, device="cuda")
-    side, launch = torch.cuda.Stream(), torch.cuda.Stream()
-    program = lib.StreamProgram(3)
-    caller = lib.CALLER_STREAM
-    program.record(caller, 0)
-    program.wait_event(side.cuda_stream, 0)
-    program.write_flags(side.cuda_stream, [flag.data_ptr()], 1)
-    program.wait_flags(caller, [flag.data_ptr()], 1)
-    half = n // 2 * 2  # bytes of the first half of the bf16 elements
-    program.copy_batch(caller, [a.data_ptr(), a.data_ptr() + half], [src.data_ptr(), src.data_ptr() + half], [half, half])
-    program.copy_2d(caller, b.data_ptr(), 256, a.data_ptr(), 256, 256, n * 2 // 256)
-    program.copy_kernel(caller, [c.data_ptr()], [b.data_ptr()], [n * 2], 2)
-    program.sum(caller, out.data_ptr(), [c.data_ptr()], [(0, n, n, src.data_ptr())], 0, n, 0.5, False, 0, 4)
-    program.record(caller, 1)
-    program.record(side.cuda_stream, 2)
-    program.set_outputs([1, 2], 4)
-    expect = (src.float() + src.float()) * 0.5
-    for base in (10, 20, 1 << 20):
-        for t in (a, b, c, out):
-            t.zero_()
-        handles = program.replay_graph(torch.cuda.current_stream().cuda_stream, launch.cuda_stream, base)
-        for h in handles:
-            lib.stream_wait_event(torch.cuda.current_stream().cuda_stream, h)
-        torch.cuda.synchronize()
-        assert int(flag[0]) == base + 1
-        assert torch.equal(c, src) and torch.equal(out, expect), base
-
-
 def _sum_layout(gen, dtype, n):
     """Segments over a chunk of n elements and the owner's rows they point at, as launch_sum tuples,
     plus those rows chunk-relative in fp32, the mask of valid (non-padding) elements and the buffer

@@ -24,14 +24,13 @@ from tide_core.transport.reference import ReferenceTransport
 
 
 def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None,
-               slice_bytes=0, push_delay_s=0.0, graph_replay=False):
+               slice_bytes=0, push_delay_s=0.0):
     """4 KiB chunks; ``slice_bytes`` (0: none) cuts each reduce-scatter chunk into pieces
-    (1 KiB = 256 fp32 output elements per piece); ``graph_replay``: calls of a kind ordered on a
-    launch stream (as CUDA graph launches are; the emulated device replays them op by op)."""
+    (1 KiB = 256 fp32 output elements per piece)."""
     dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues, push_delay_s=push_delay_s)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4,
-                        sum_slice_mib=slice_bytes / (1 << 20), graph_replay=graph_replay)
+                        sum_slice_mib=slice_bytes / (1 << 20))
     t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
                       allocator=alloc, faults=faults)
     return t, dev, alloc
@@ -232,10 +231,10 @@ def test_reordered_calls_are_detected():
     assert any(o is True or o == "timeout" for o in outcomes)
 
 
-def _steady_state(rank, world_size, tag, graph_replay):
+def _steady_state(rank, world_size, tag):
     """FSDP2's steady state: the same buffers every step, new data in them. Calls after the first
     replay the recorded stream program with a new epoch / chunk base; results must stay exact."""
-    t, dev, alloc = _transport(world_size, tag, timeout_s=20.0, graph_replay=graph_replay)
+    t, dev, alloc = _transport(world_size, tag, timeout_s=20.0)
     ref = ReferenceTransport(Topology(1, world_size))
     shapes = [(world_size * 900 + 1, 5), (17,), (world_size * 40, 3)]  # 3 chunks of 4 KiB
     lay = layout_for(shapes, world_size, 2)
@@ -263,17 +262,15 @@ def _steady_state(rank, world_size, tag, graph_replay):
             assert torch.equal(out, expect), step
         t.synchronize()
         assert not dev.errors, dev.errors
-        return len(t._programs), t.rs_seq, sorted(t.s_launch)
+        return len(t._programs), t.rs_seq
     finally:
         dev.close()
         alloc.cleanup()
 
 
-@pytest.mark.parametrize("graph_replay", [False, True])
-def test_repeated_calls_replay_recorded_programs_exactly(graph_replay):
-    results = run_distributed(_steady_state, 2, args=(uuid.uuid4().hex[:8], graph_replay), timeout=240)
-    programs, chunks, launch_streams = results[0]
-    assert launch_streams == (["ag", "rs"] if graph_replay else [])
+def test_repeated_calls_replay_recorded_programs_exactly():
+    results = run_distributed(_steady_state, 2, args=(uuid.uuid4().hex[:8],), timeout=240)
+    programs, chunks = results[0]
     assert chunks >= 6 * 2  # several chunks per call: the slot ring wraps across calls
     # one all-gather program; reduce-scatter programs differ only by the first chunk's slot and,
     # for the first calls, by which chunks wait for an earlier use of their slot

@@ -7,14 +7,10 @@ tests (``tests/support/emulated_device.py``).
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from tide_core.runtime import native
 from tide_core.runtime.program import CALLER
-
-log = logging.getLogger("tide")
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -141,27 +137,9 @@ class CompiledProgram:
                 getattr(program, kind)(handle(stream), *args)
         program.set_outputs(outputs, ring)
         self.program = program
-        self.graph_error: str | None = None
 
     def __len__(self) -> int:
         return len(self.program)
 
-    def replay(self, caller_stream, base: int, launch_stream=None) -> list[NativeEvent]:
-        """``launch_stream``: one CUDA graph launch on it (built at the first replay); if the graph
-        cannot be built, operation by operation, ordered as a graph launch would be."""
-        if launch_stream is None:
-            handles = self.program.replay(caller_stream.cuda_stream, base)
-        elif self.graph_error is None:
-            try:
-                handles = self.program.replay_graph(caller_stream.cuda_stream, launch_stream.cuda_stream, base)
-            except RuntimeError as exc:
-                self.graph_error = str(exc)
-                log.warning("TIDE: this call's CUDA graph could not be built (%s); replaying it operation by "
-                            "operation", exc)
-                return self.replay(caller_stream, base, launch_stream)
-        else:
-            launch_stream.wait_stream(caller_stream)
-            handles = self.program.replay(launch_stream.cuda_stream, base)
-            for h in handles:
-                self.lib.stream_wait_event(launch_stream.cuda_stream, h)
-        return [NativeEvent(self.lib, h, self) for h in handles]
+    def replay(self, caller_stream, base: int) -> list[NativeEvent]:
+        return [NativeEvent(self.lib, h, self) for h in self.program.replay(caller_stream.cuda_stream, base)]

@@ -7,11 +7,6 @@ each on the host; a call has 10-40 of them. Instead the transport issues them on
 (``tide_core._C.StreamProgram`` on GPUs), and every later call with the same buffers is one
 ``replay(caller_stream, base)``. Flag values are recorded relative to ``base`` (the call's epoch or
 first chunk number), so one recording serves every call; everything else in it is fixed.
-
-With a ``launch_stream`` (``TIDEConfig.graph_replay``) the GPU backend launches the recording as
-one CUDA graph on that stream. A program replayed operation by operation with a launch stream
-(the emulated device, or a GPU program whose graph could not be built) is ordered the same way:
-after the caller's work, and before the next call on the launch stream.
 """
 
 from __future__ import annotations
@@ -69,14 +64,8 @@ class ReplayedProgram:
     def __len__(self) -> int:
         return len(self.ops)
 
-    def replay(self, caller_stream, base: int, launch_stream=None) -> list:
+    def replay(self, caller_stream, base: int) -> list:
         dev = self.device
-        if launch_stream is not None:  # ordered like a graph launch on launch_stream
-            dev.wait_event(launch_stream, dev.record(caller_stream))
-            outputs = self.replay(launch_stream, base)
-            for event in outputs:
-                dev.wait_event(launch_stream, event)
-            return outputs
         events = [None] * self.num_events
         for kind, stream, *args in self.ops:
             stream = caller_stream if stream is CALLER else stream

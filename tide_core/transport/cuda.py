@@ -189,10 +189,6 @@ class CudaTransport(Transport):
         self.s_done = self.dev.stream(priority=-1)
         self.s_push = self.dev.stream(priority=-1)
         self.s_sum = self.dev.stream(priority=-1)
-        # Graph replay: all-gathers and reduce-scatters each launch on a stream of their own, which
-        # keeps a kind's calls (and their flag writes) in call order.
-        self.s_launch = ({kind: self.dev.stream(priority=-1) for kind in ("ag", "rs")} if self.config.graph_replay
-                         else {})
         if self.rail is not None:
             self.s_rail = self.dev.stream(priority=-1)  # rail sends of the Bruck rounds
             self.s_scatter = self.dev.stream(priority=-1)  # rail receives and stage scatters
@@ -351,7 +347,7 @@ class CudaTransport(Transport):
             program = self.dev.compile(recorder, [done])
             if not self.faults:  # fault injection varies by call: record every call afresh
                 self._remember(key, program)
-        (done,) = program.replay(self.dev.current_stream(), e, self.s_launch.get("ag"))
+        (done,) = program.replay(self.dev.current_stream(), e)
         self.watchdog.track(done, f"rank {self.rank}: all_gather call {e}")
         return CudaWork(self, [done])
 
@@ -689,7 +685,7 @@ class CudaTransport(Transport):
             program = self.dev.compile(recorder, outputs)
             if not self.faults:  # fault injection varies by chunk number: record every call afresh
                 self._remember(program_key, program)
-        pushed, summed = program.replay(self.dev.current_stream(), base_seq, self.s_launch.get("rs"))
+        pushed, summed = program.replay(self.dev.current_stream(), base_seq)
         me = self.rank
         self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")
         self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")

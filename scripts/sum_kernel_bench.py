@@ -1,4 +1,5 @@
-"""A/B of the reduce-scatter sum kernels on one GPU: 16 MiB bf16 chunks, 1 and 3 staged sources.
+"""A/B of the reduce-scatter sum kernels on one GPU: 16 MiB bf16 chunks, 1 and 3 staged sources,
+against the copy kernel moving the same bytes with the same CTA count (what those SMs can move).
 
     python scripts/sum_kernel_bench.py results.json
 
@@ -46,9 +47,19 @@ def main(path: str) -> None:
     out = torch.empty(n, device="cuda")
     stream = torch.cuda.current_stream().cuda_stream
     results = []
+    # Reference: the copy kernel with as many bytes read and written as a sum with one staged source.
+    src, dst = torch.randn(n, device="cuda"), torch.empty(n, device="cuda")  # 4n bytes each, as the sum
+    for ctas in (16, 32, 64):
+        seconds = time_launch(lambda: lib.copy_kernel([dst.data_ptr()], [src.data_ptr()], [4 * n], ctas, stream))
+        moved = 8 * n
+        row = {"kernel": "copy", "staged": None, "ctas": ctas, "us": seconds * 1e6, "GB_per_s": moved / seconds / 1e9,
+               "GB_per_s_per_cta": moved / seconds / 1e9 / ctas}
+        results.append(row)
+        print(f"copy  (same bytes as staged=1) ctas={ctas:3d}: {row['us']:8.1f} us  {row['GB_per_s']:7.1f} GB/s  "
+              f"{row['GB_per_s_per_cta']:6.1f} GB/s per CTA", flush=True)
     for ns in (1, 3):
         staged = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(ns)]
-        for ctas in (16, 64):
+        for ctas in (16, 32, 64):
             for kernel in ("regs", "tma"):
                 def launch():
                     lib.launch_sum(out.data_ptr(), [s.data_ptr() for s in staged], segments, 0, n, 0.5, False, 0,

@@ -60,8 +60,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
   m.attr("SUM_KERNELS") = py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto),
                                    py::arg("regs") = static_cast<int>(tide::kSumRegs),
-                                   py::arg("tma") = static_cast<int>(tide::kSumTma),
-                                   py::arg("tma_coalesced") = static_cast<int>(tide::kSumTmaCoalesced));
+                                   py::arg("tma") = static_cast<int>(tide::kSumTma));
   m.def("memcpy_batch", &tide::memcpy_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"),
         py::arg("prefer_overlap") = true, py::call_guard<py::gil_scoped_release>(),
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");

@@ -148,13 +148,6 @@ __device__ __forceinline__ void unpack8(const uint4& raw, float (&v)[8]) {
   for (int i = 0; i < 8; ++i) v[i] = to_f32<T>(e[i]);
 }
 
-template <typename T>
-__device__ __forceinline__ void unpack4(const uint2& raw, float (&v)[4]) {
-  const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) v[i] = to_f32<T>(e[i]);
-}
-
 template <typename T, int NS, int U>
 __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constant__ SumArgs a) {
   static_assert(sizeof(T) == 2, "the fast kernel reads 16-bit gradients");
@@ -378,71 +371,9 @@ __device__ void consume_tiles(const SumArgs& a, const unsigned char* stages_mem,
   }
 }
 
-// Coalesced: each warp takes 256-element spans; lane l converts elements 4l..4l+3 and
-// 128+4l..128+4l+3 of its span (8-byte shared loads), so each of the warp's two 16-byte stores
-// covers 512 contiguous bytes (whole sectors) instead of half of each of 32 sectors.
-template <typename T, int NS>
-__device__ void consume_tiles_coalesced(const SumArgs& a, const unsigned char* stages_mem, uint64_t* full,
-                                        uint64_t* empty, const TilePieces* pieces, int tile, int stages) {
-  const int64_t end = a.first + a.count;
-  const int64_t n_tiles = (a.count + tile - 1) / tile;
-  const int stage_bytes = tma_stage_bytes(NS, tile, a.accumulate);
-  const int lane = static_cast<int>(threadIdx.x) % 32, warp = static_cast<int>(threadIdx.x) / 32;
-  int k = 0;
-  for (int64_t t = blockIdx.x; t < n_tiles; t += gridDim.x, ++k) {
-    const int s = k % stages;
-    mbarrier_wait(&full[s], (k / stages) & 1);
-    const int64_t t0 = a.first + t * tile;
-    const int len = static_cast<int>(end - t0 < tile ? end - t0 : tile);
-    const T* stage = reinterpret_cast<const T*>(stages_mem + static_cast<size_t>(s) * stage_bytes);
-    const float* previous = reinterpret_cast<const float*>(stage + (NS + 1) * tile);
-    const int n_pieces = pieces[s].count;
-    for (int base = 256 * warp; base < len; base += 256 * (kTmaConsumers / 32)) {
-      bool span_in_piece = false;  // the usual case, uniform across the warp
-      for (int p = 0; p < n_pieces; ++p) {
-        const int2 piece = pieces[s].piece[p];
-        span_in_piece |= piece.x <= base && base + 256 <= piece.y;
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int e = base + 128 * h + 4 * lane;
-        bool fast = span_in_piece;
-        if (!fast && e + 4 <= len) {  // pieces cover whole units: the unit holding e decides
-          for (int p = 0; p < n_pieces; ++p) {
-            const int2 piece = pieces[s].piece[p];
-            fast |= piece.x <= (e & ~7) && (e & ~7) < piece.y;
-          }
-        }
-        if (!fast) {
-          if (e < len) sum_elements<T>(a, t0 + e, t0 + (e + 4 < len ? e + 4 : len));
-          continue;
-        }
-        uint2 raw[NS + 1];
-#pragma unroll
-        for (int j = 0; j <= NS; ++j) raw[j] = *reinterpret_cast<const uint2*>(stage + j * tile + e);
-        float acc[4], v[4];
-        unpack4<T>(raw[0], acc);
-#pragma unroll
-        for (int j = 1; j <= NS; ++j) {
-          unpack4<T>(raw[j], v);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc[i] = __fadd_rn(acc[i], v[i]);
-        }
-        float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (a.accumulate) p0 = *reinterpret_cast<const float4*>(previous + e);
-        __stcs(reinterpret_cast<float4*>(a.out + t0 + e),
-               make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z),
-                           finish(a, acc[3], p0.w)));
-      }
-    }
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbarrier_arrive(&empty[s]);
-  }
-}
-
 #endif  // __CUDA_ARCH__ >= 900
 
-template <typename T, int NS, bool Coalesced>
+template <typename T, int NS>
 __global__ void __launch_bounds__(kTmaThreads, 1)
     sum_tma_kernel(const __grid_constant__ SumArgs a, int tile, int stages) {
   static_assert(sizeof(T) == 2, "the TMA kernel reads 16-bit gradients");
@@ -462,11 +393,7 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
   }
   __syncthreads();
   if (threadIdx.x < kTmaConsumers) {
-    if constexpr (Coalesced) {
-      consume_tiles_coalesced<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
-    } else {
-      consume_tiles<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
-    }
+    consume_tiles<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
   } else if (threadIdx.x == kTmaConsumers) {
     produce_tiles<T, NS>(a, stages_mem, full, empty, pieces, tile, stages);
   }
@@ -477,39 +404,38 @@ __global__ void __launch_bounds__(kTmaThreads, 1)
 
 using TmaKernel = void (*)(SumArgs, int, int);
 
-template <typename T, bool C>
+template <typename T>
 TmaKernel tma_kernel(int n_staged) {
   switch (n_staged) {
-    case 0: return sum_tma_kernel<T, 0, C>;
-    case 1: return sum_tma_kernel<T, 1, C>;
-    case 2: return sum_tma_kernel<T, 2, C>;
-    case 3: return sum_tma_kernel<T, 3, C>;
-    case 4: return sum_tma_kernel<T, 4, C>;
-    case 5: return sum_tma_kernel<T, 5, C>;
-    case 6: return sum_tma_kernel<T, 6, C>;
-    default: return sum_tma_kernel<T, 7, C>;
+    case 0: return sum_tma_kernel<T, 0>;
+    case 1: return sum_tma_kernel<T, 1>;
+    case 2: return sum_tma_kernel<T, 2>;
+    case 3: return sum_tma_kernel<T, 3>;
+    case 4: return sum_tma_kernel<T, 4>;
+    case 5: return sum_tma_kernel<T, 5>;
+    case 6: return sum_tma_kernel<T, 6>;
+    default: return sum_tma_kernel<T, 7>;
   }
 }
 
-TmaKernel tma_kernel(int dtype, int n_staged, bool coalesced) {
-  if (coalesced) return dtype == 0 ? tma_kernel<__nv_bfloat16, true>(n_staged) : tma_kernel<__half, true>(n_staged);
-  return dtype == 0 ? tma_kernel<__nv_bfloat16, false>(n_staged) : tma_kernel<__half, false>(n_staged);
+TmaKernel tma_kernel(int dtype, int n_staged) {
+  return dtype == 0 ? tma_kernel<__nv_bfloat16>(n_staged) : tma_kernel<__half>(n_staged);
 }
 
 // Whether the current GPU runs the TMA kernel's sm_90+ code: the code it runs must come from
 // compute_90+ PTX (an sm_90 GPU JIT-compiling compute_80 PTX gets the compiled-out body).
 bool tma_available() {
   cudaFuncAttributes attr{};
-  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sum_tma_kernel<__nv_bfloat16, 0, false>)));
+  TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(sum_tma_kernel<__nv_bfloat16, 0>)));
   return attr.binaryVersion >= 90 && attr.ptxVersion >= 90;
 }
 
 // Tile and depth: the largest tile of 8192, 4096 or 2048 elements (two units per consumer down to
 // half a unit) that leaves at least four stages, so the single producer thread's per-tile work is
 // spread over ~32-64 KB of traffic; then as many stages as the shared-memory budget holds.
-void plan_tma(SumLaunch& l, int ctas, bool coalesced) {
+void plan_tma(SumLaunch& l, int ctas) {
   const SumArgs& a = l.args;
-  const TmaKernel kernel = tma_kernel(l.dtype, a.n_staged, coalesced);
+  const TmaKernel kernel = tma_kernel(l.dtype, a.n_staged);
   cudaFuncAttributes attr{};
   TIDE_CUDA_CHECK(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
   int device = 0, optin = 0;
@@ -520,7 +446,7 @@ void plan_tma(SumLaunch& l, int ctas, bool coalesced) {
   while (tile > 4 * kTmaConsumers && budget / tma_stage_bytes(a.n_staged, tile, a.accumulate) < 4) tile /= 2;
   const int stages = std::min(kTmaMaxStages, budget / tma_stage_bytes(a.n_staged, tile, a.accumulate));
   TIDE_CHECK(stages >= 2, "launch_sum: not enough shared memory for the TMA sum kernel");
-  l.kernel = coalesced ? kSumTmaCoalesced : kSumTma;
+  l.kernel = kSumTma;
   l.tile = tile;
   l.stages = stages;
   l.smem_bytes = stages * tma_stage_bytes(a.n_staged, tile, a.accumulate);
@@ -535,8 +461,8 @@ void plan_tma(SumLaunch& l, int ctas, bool coalesced) {
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
                           int kernel) {
-  TIDE_CHECK(kernel == kSumAuto || kernel == kSumRegs || kernel == kSumTma || kernel == kSumTmaCoalesced,
-             "launch_sum: kernel must be 0 (auto), 1 (regs), 2 (tma) or 3 (tma_coalesced)");
+  TIDE_CHECK(kernel == kSumAuto || kernel == kSumRegs || kernel == kSumTma,
+             "launch_sum: kernel must be 0 (auto), 1 (regs) or 2 (tma)");
   TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
   TIDE_CHECK(!segments.empty() && segments.size() <= static_cast<size_t>(kMaxSegments),
              "launch_sum: segment count must be in [1, " + std::to_string(kMaxSegments) + "]");
@@ -562,12 +488,11 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
   l.dtype = dtype;
   l.kernel = kSumRegs;
   const bool tma_applies = dtype != 2 && a.n_staged <= kTmaMaxStaged && count > 0;
-  const bool tma_asked = kernel == kSumTma || kernel == kSumTmaCoalesced;
-  if (tma_asked || (kernel == kSumAuto && tma_applies && a.n_staged <= kTmaAutoMaxStaged)) {
+  if (kernel == kSumTma || (kernel == kSumAuto && tma_applies && a.n_staged <= kTmaAutoMaxStaged)) {
     const bool available = tma_available();
     TIDE_CHECK(available || kernel == kSumAuto, "launch_sum: sum_kernel='tma' needs a GPU of compute capability "
                                                 "9.0+ and an extension built for it (TMA bulk copies)");
-    if (available && tma_applies) plan_tma(l, ctas, kernel == kSumTmaCoalesced);
+    if (available && tma_applies) plan_tma(l, ctas);
   }
   return l;
 }
@@ -576,10 +501,10 @@ void launch_sum(const SumLaunch& l, uint64_t stream) {
   if (l.args.count <= 0) return;
   cudaStream_t s = as_stream(stream);
   const SumArgs& a = l.args;
-  if (l.kernel == kSumTma || l.kernel == kSumTmaCoalesced) {
+  if (l.kernel == kSumTma) {
     int tile = l.tile, stages = l.stages;
     void* params[] = {const_cast<SumArgs*>(&a), &tile, &stages};
-    TIDE_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(tma_kernel(l.dtype, a.n_staged, l.kernel == kSumTmaCoalesced)), l.blocks,
+    TIDE_CUDA_CHECK(cudaLaunchKernel(reinterpret_cast<const void*>(tma_kernel(l.dtype, a.n_staged)), l.blocks,
                                      kTmaThreads, params, l.smem_bytes, s));
     return;
   }

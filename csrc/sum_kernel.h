@@ -34,7 +34,7 @@ struct SumArgs {
 // register kernel.
 // kSumTma: the same, but an error where the GPU's kernel image has no TMA (so an A/B cannot
 // silently measure the wrong kernel). kSumRegs: always the register kernel.
-enum SumKernel { kSumAuto = 0, kSumRegs = 1, kSumTma = 2, kSumTmaCoalesced = 3 };
+enum SumKernel { kSumAuto = 0, kSumRegs = 1, kSumTma = 2 };
 constexpr int kTmaMaxStaged = 7;
 constexpr int kTmaAutoMaxStaged = 1;
 

@@ -12,7 +12,7 @@ from typing import Any
 
 MODES = ("in_place", "slot_reuse")
 TRANSPORTS = ("auto", "reference", "cuda")
-SUM_KERNELS = ("auto", "tma", "regs", "tma_coalesced")
+SUM_KERNELS = ("auto", "tma", "regs")
 
 
 @dataclass

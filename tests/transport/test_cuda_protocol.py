@@ -181,6 +181,46 @@ def _ag_reorder(rank, world_size, tag):
         alloc.cleanup()
 
 
+def _first_batches(rank, world_size, tag):
+    """Copy batches a recorded all-gather and reduce-scatter issue, in order (sizes in descriptors),
+    with the results checked against the reference transport."""
+    t, dev, alloc = _transport(world_size, tag, timeout_s=20.0)
+    ref = ReferenceTransport(Topology(1, world_size))
+    shapes = [(world_size * (40 + 5 * p), 8 + p % 3) for p in range(11)]  # ~13 KB per rank: 4 chunks
+    lay = layout_for(shapes, world_size, 2)
+    try:
+        shards = all_shards(3, lay, torch.bfloat16)
+        outs = t.landing_buffers(lay, slot=0, dtype=torch.bfloat16)
+        t.all_gather(lay, shards[rank], outs).wait()
+        grads = all_grads(4, shapes, world_size, torch.bfloat16)[rank]
+        out, expect = torch.empty(lay.total_shard_numel), torch.empty(lay.total_shard_numel)
+        t.reduce_scatter(lay, grads, out).wait()
+        ref.reduce_scatter(lay, grads, expect)
+        t.synchronize()
+        assert all(torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
+        assert torch.equal(out, expect)
+        # program keys: ("ag", ...) for all-gathers, (("rs", ...), ...) for reduce-scatters
+        batches = {(key[0] if isinstance(key[0], str) else key[0][0]): [len(op[2]) for op in program.ops
+                                                                         if op[0] == "copy_batch"]
+                   for key, program in t._programs.items()}
+        return batches, t.rs_seq
+    finally:
+        shut_down(dev, alloc)
+
+
+def test_a_calls_first_copy_batch_sends_its_first_copies_alone():
+    """The link starts moving a batch once all of it is enqueued: a call's first batch is split so the
+    first FIRST_BATCH_COPIES copies go at once, the rest follow; every copy is issued exactly once."""
+    from tide_core.transport.cuda import FIRST_BATCH_COPIES
+
+    batches, chunks = run_distributed(_first_batches, 2, args=(uuid.uuid4().hex[:8],), timeout=120)[0]
+    ag, rs = batches["ag"], batches["rs"]
+    assert ag[0] == FIRST_BATCH_COPIES and sum(ag) == 11  # 11 parameters, one peer: 11 pushes
+    assert len(ag) == 3  # lane 0: head + rest; lane 1: one batch
+    assert chunks >= 3 and rs[0] == FIRST_BATCH_COPIES  # only the first chunk's batch is split
+    assert len(rs) == chunks + 1 and all(n > 0 for n in rs)
+
+
 def _mismatched_slices(rank, world_size, tag):
     from tide_core.errors import RankMismatchError
 

@@ -60,8 +60,9 @@ RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one
 RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
 # TIDEConfig fields every rank of a group must share (chunking, slots, pieces, plans, rail).
 PROTOCOL_FIELDS = ("mode", "chunk_mib", "chunk_slots", "sum_slice_mib", "wave_width", "round_width", "rail")
-# All-gather: copies in the first lane's first batch (measured on H200: cudaMemcpyBatchAsync takes
-# ~3.5 us + ~1.4 us per P2P descriptor to enqueue; one descriptor of a 32 MiB shard moves for ~3 us).
+# Copies a call's first copy batch sends alone: the all-gather's first lane, the reduce-scatter's
+# first chunk (measured on H200: cudaMemcpyBatchAsync takes ~3.5 us + ~1.4 us per P2P descriptor to
+# enqueue; one descriptor of a 32 MiB shard moves for ~3 us).
 FIRST_BATCH_COPIES = 4
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall

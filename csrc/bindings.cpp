@@ -58,9 +58,9 @@ PYBIND11_MODULE(_C, m) {
   m.doc() = "TIDE CUDA core: copy-engine batches, stream memory operations, fp32 reduce-scatter sums";
   m.attr("MAX_SOURCES") = tide::kMaxSources;
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
-  m.attr("SUM_KERNELS") = py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto),
-                                   py::arg("regs") = static_cast<int>(tide::kSumRegs),
-                                   py::arg("tma") = static_cast<int>(tide::kSumTma));
+  m.attr("SUM_KERNELS") =
+      py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto), py::arg("regs") = static_cast<int>(tide::kSumRegs),
+               py::arg("tma") = static_cast<int>(tide::kSumTma));
   m.def("memcpy_batch", &tide::memcpy_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"),
         py::arg("prefer_overlap") = true, py::call_guard<py::gil_scoped_release>(),
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");
@@ -72,9 +72,9 @@ PYBIND11_MODULE(_C, m) {
   m.def("stream_wait_u32", &tide::stream_wait_u32, py::arg("stream"), py::arg("addresses"), py::arg("value"),
         py::call_guard<py::gil_scoped_release>(), "cuStreamWaitValue32 GEQ on each address.");
   m.def("launch_sum", &launch_sum_py, py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
-        py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
-        py::arg("stream"), py::arg("kernel") = static_cast<int>(tide::kSumAuto),
-        py::call_guard<py::gil_scoped_release>(), "kernel: a SUM_KERNELS value (TIDEConfig.sum_kernel).");
+        py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"), py::arg("stream"),
+        py::arg("kernel") = static_cast<int>(tide::kSumAuto), py::call_guard<py::gil_scoped_release>(),
+        "kernel: a SUM_KERNELS value (TIDEConfig.sum_kernel).");
   m.def("copy_kernel", &copy_kernel_py, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("ctas"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "Same-GPU copies of many segments in one kernel launch per 96 segments.");
@@ -94,14 +94,16 @@ PYBIND11_MODULE(_C, m) {
            py::arg("src"), py::arg("spitch"), py::arg("width"), py::arg("height"))
       .def("copy_kernel", &tide::StreamProgram::copy_kernel, py::arg("stream"), py::arg("dsts"), py::arg("srcs"),
            py::arg("sizes"), py::arg("ctas"))
-      .def("sum", [](tide::StreamProgram& p, uint64_t stream, uint64_t out, const std::vector<uint64_t>& staged,
-                     const std::vector<SegmentTuple>& segments, int64_t first, int64_t count, float alpha,
-                     bool accumulate, int dtype, int ctas, int kernel) {
-             p.sum(stream, sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel));
-           },
-           py::arg("stream"), py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
-           py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
-           py::arg("kernel") = static_cast<int>(tide::kSumAuto))
+      .def(
+          "sum",
+          [](tide::StreamProgram& p, uint64_t stream, uint64_t out, const std::vector<uint64_t>& staged,
+             const std::vector<SegmentTuple>& segments, int64_t first, int64_t count, float alpha, bool accumulate,
+             int dtype, int ctas, int kernel) {
+            p.sum(stream, sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel));
+          },
+          py::arg("stream"), py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"), py::arg("count"),
+          py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"),
+          py::arg("kernel") = static_cast<int>(tide::kSumAuto))
       .def("set_outputs", &tide::StreamProgram::set_outputs, py::arg("events"), py::arg("ring"))
       .def("replay", &tide::StreamProgram::replay, py::arg("caller_stream"), py::arg("base"),
            py::call_guard<py::gil_scoped_release>())

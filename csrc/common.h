@@ -16,17 +16,16 @@ namespace tide {
   throw std::runtime_error(msg.str());
 }
 
-#define TIDE_CUDA_CHECK(expr)                                                                 \
-  do {                                                                                        \
-    cudaError_t tide_err_ = (expr);                                                           \
-    if (tide_err_ != cudaSuccess) {                                                           \
-      ::tide::fail(std::string(#expr) + " failed: " + cudaGetErrorString(tide_err_), __FILE__, \
-                   __LINE__);                                                                 \
-    }                                                                                         \
+#define TIDE_CUDA_CHECK(expr)                                                                             \
+  do {                                                                                                    \
+    cudaError_t tide_err_ = (expr);                                                                       \
+    if (tide_err_ != cudaSuccess) {                                                                       \
+      ::tide::fail(std::string(#expr) + " failed: " + cudaGetErrorString(tide_err_), __FILE__, __LINE__); \
+    }                                                                                                     \
   } while (0)
 
-#define TIDE_CHECK(cond, what)                         \
-  do {                                                 \
+#define TIDE_CHECK(cond, what)                             \
+  do {                                                     \
     if (!(cond)) ::tide::fail((what), __FILE__, __LINE__); \
   } while (0)
 

@@ -25,8 +25,7 @@ void memcpy_batch(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   attr.flags = prefer_overlap ? cudaMemcpyFlagPreferOverlapWithCompute : cudaMemcpyFlagDefault;
   size_t attr_index = 0;
-  cudaError_t err = cudaMemcpyBatchAsync(d.data(), s.data(), n.data(), count, &attr, &attr_index, 1,
-                                         as_stream(stream));
+  cudaError_t err = cudaMemcpyBatchAsync(d.data(), s.data(), n.data(), count, &attr, &attr_index, 1, as_stream(stream));
   if (err == cudaErrorNotSupported || err == cudaErrorInvalidValue) {
     // Older drivers or capture: fall back to one copy per descriptor (same stream order).
     cudaGetLastError();
@@ -38,11 +37,11 @@ void memcpy_batch(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>
   TIDE_CUDA_CHECK(err);
 }
 
-void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uint64_t width,
-               uint64_t height, uint64_t stream) {
+void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uint64_t width, uint64_t height,
+               uint64_t stream) {
   if (width == 0 || height == 0) return;
-  TIDE_CUDA_CHECK(cudaMemcpy2DAsync(as_ptr(dst), dpitch, as_ptr(src), spitch, width, height,
-                                    cudaMemcpyDefault, as_stream(stream)));
+  TIDE_CUDA_CHECK(
+      cudaMemcpy2DAsync(as_ptr(dst), dpitch, as_ptr(src), spitch, width, height, cudaMemcpyDefault, as_stream(stream)));
 }
 
 }  // namespace tide

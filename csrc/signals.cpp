@@ -21,8 +21,7 @@ const DriverOps& driver_ops() {
   std::call_once(once, [] {
     cudaDriverEntryPointQueryResult status = cudaDriverEntryPointSymbolNotFound;
     void* fn = nullptr;
-    cudaError_t err =
-        cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault, &status);
+    cudaError_t err = cudaGetDriverEntryPointByVersion("cuStreamBatchMemOp", &fn, 12000, cudaEnableDefault, &status);
     if (err != cudaSuccess || status != cudaDriverEntryPointSuccess || fn == nullptr) {
       ops.error = std::string("cuStreamBatchMemOp is unavailable: ") + cudaGetErrorString(err);
       cudaGetLastError();
@@ -41,8 +40,7 @@ void run_batch(uint64_t stream, std::vector<CUstreamBatchMemOpParams>& params) {
     unsigned int count = static_cast<unsigned int>(std::min<size_t>(256, params.size() - first));
     CUresult res = ops.batch(reinterpret_cast<CUstream>(as_stream(stream)), count, params.data() + first, 0);
     if (res != CUDA_SUCCESS) {
-      fail("cuStreamBatchMemOp failed with CUresult " + std::to_string(static_cast<int>(res)), __FILE__,
-           __LINE__);
+      fail("cuStreamBatchMemOp failed with CUresult " + std::to_string(static_cast<int>(res)), __FILE__, __LINE__);
     }
   }
 }

@@ -10,11 +10,17 @@ namespace {
 template <typename T>
 __device__ __forceinline__ float to_f32(T v);
 template <>
-__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_f32<__nv_bfloat16>(__nv_bfloat16 v) {
+  return __bfloat162float(v);
+}
 template <>
-__device__ __forceinline__ float to_f32<__half>(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_f32<__half>(__half v) {
+  return __half2float(v);
+}
 template <>
-__device__ __forceinline__ float to_f32<float>(float v) { return v; }
+__device__ __forceinline__ float to_f32<float>(float v) {
+  return v;
+}
 
 // Eight consecutive elements as fp32, with 16-byte loads.
 template <typename T>
@@ -27,8 +33,10 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
   } else {
     float4 a = *reinterpret_cast<const float4*>(p);
     float4 b = *reinterpret_cast<const float4*>(p + 4);
+    // clang-format off
     v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
     v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+    // clang-format on
   }
 }
 
@@ -36,7 +44,8 @@ __device__ __forceinline__ int find_segment(const SumArgs& a, int64_t i) {
   int lo = 0, hi = a.n_segments - 1;
   while (lo < hi) {
     int mid = (lo + hi + 1) >> 1;
-    if (a.segments[mid].offset <= i) lo = mid; else hi = mid - 1;
+    if (a.segments[mid].offset <= i) lo = mid;
+    else hi = mid - 1;
   }
   return lo;
 }
@@ -126,7 +135,10 @@ __global__ void __launch_bounds__(kThreads) sum_kernel(const __grid_constant__ S
       if (fast[j]) {
         float4* out = reinterpret_cast<float4*>(a.out + i0[j]);
         float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
-        if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
+        if (a.accumulate) {
+          p0 = out[0];
+          p1 = out[1];
+        }
         out[0] = make_float4(finish(a, acc[j][0], p0.x), finish(a, acc[j][1], p0.y), finish(a, acc[j][2], p0.z),
                              finish(a, acc[j][3], p0.w));
         out[1] = make_float4(finish(a, acc[j][4], p1.x), finish(a, acc[j][5], p1.y), finish(a, acc[j][6], p1.z),
@@ -165,7 +177,8 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
     for (int j = 0; j < U; ++j) {
       if (fast[j]) {
 #pragma unroll
-        for (int s = 0; s < NS; ++s) raw[j][s] = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.staged[s]) + i0[j]));
+        for (int s = 0; s < NS; ++s)
+          raw[j][s] = __ldcs(reinterpret_cast<const uint4*>(reinterpret_cast<const T*>(a.staged[s]) + i0[j]));
         raw[j][NS] = __ldcs(reinterpret_cast<const uint4*>(own[j]));
       }
     }
@@ -182,7 +195,10 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
         }
         float4* out = reinterpret_cast<float4*>(a.out + i0[j]);
         float4 p0 = make_float4(0.f, 0.f, 0.f, 0.f), p1 = p0;
-        if (a.accumulate) { p0 = out[0]; p1 = out[1]; }
+        if (a.accumulate) {
+          p0 = out[0];
+          p1 = out[1];
+        }
         __stcs(out, make_float4(finish(a, acc[0], p0.x), finish(a, acc[1], p0.y), finish(a, acc[2], p0.z),
                                 finish(a, acc[3], p0.w)));
         __stcs(out + 1, make_float4(finish(a, acc[4], p1.x), finish(a, acc[5], p1.y), finish(a, acc[6], p1.z),
@@ -196,16 +212,33 @@ __global__ void __launch_bounds__(kThreads) sum_fast_kernel(const __grid_constan
 
 template <typename T>
 bool launch_fast(const SumArgs& a, int blocks, cudaStream_t s) {
+  // clang-format off: one line per case reads as a table
   switch (a.n_staged) {
-    case 1: sum_fast_kernel<T, 1, 8><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 2: sum_fast_kernel<T, 2, 4><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 3: sum_fast_kernel<T, 3, 4><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 4: sum_fast_kernel<T, 4, 2><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 5: sum_fast_kernel<T, 5, 2><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 6: sum_fast_kernel<T, 6, 2><<<blocks, kThreads, 0, s>>>(a); return true;
-    case 7: sum_fast_kernel<T, 7, 2><<<blocks, kThreads, 0, s>>>(a); return true;
-    default: return false;
+    case 1:
+      sum_fast_kernel<T, 1, 8><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 2:
+      sum_fast_kernel<T, 2, 4><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 3:
+      sum_fast_kernel<T, 3, 4><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 4:
+      sum_fast_kernel<T, 4, 2><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 5:
+      sum_fast_kernel<T, 5, 2><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 6:
+      sum_fast_kernel<T, 6, 2><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    case 7:
+      sum_fast_kernel<T, 7, 2><<<blocks, kThreads, 0, s>>>(a);
+      return true;
+    default:
+      return false;
   }
+  // clang-format on
 }
 
 // TMA pipeline (sm_90+), 16-bit gradients with NS <= kTmaMaxStaged staged sources. In the register
@@ -214,10 +247,10 @@ bool launch_fast(const SumArgs& a, int blocks, cudaStream_t s) {
 // producer thread per CTA streams tiles of every source into shared memory with bulk copies, up
 // to kTmaMaxStages deep, so a CTA keeps ~100-200 KB of reads in flight at all times while its
 // consumer warps convert, add (same association order, same rounding) and store fp32 output.
-constexpr int kTmaConsumers = 512;                 // threads converting, adding and storing
-constexpr int kTmaThreads = kTmaConsumers + 32;    // + the producer's warp
+constexpr int kTmaConsumers = 512;               // threads converting, adding and storing
+constexpr int kTmaThreads = kTmaConsumers + 32;  // + the producer's warp
 constexpr int kTmaMaxStages = 12;
-constexpr int kTmaMaxPieces = 16;                  // own-row bulk copies per tile; more segments go per element
+constexpr int kTmaMaxPieces = 16;  // own-row bulk copies per tile; more segments go per element
 constexpr int kTmaSmemBudget = 200 * 1024;
 
 // Stage layout (16-bit elements): n_staged staged tiles, the owner's tile (elements of bulk-copied
@@ -293,8 +326,7 @@ __device__ void produce_tiles(const SumArgs& a, unsigned char* stages_mem, uint6
     T* stage = reinterpret_cast<T*>(stages_mem + static_cast<size_t>(s) * stage_bytes);
     T* own_tile = stage + NS * tile;
     int n = 0;
-    for (int g = find_segment(a, t0); g < a.n_segments && a.segments[g].offset < whole_end && n < kTmaMaxPieces;
-         ++g) {
+    for (int g = find_segment(a, t0); g < a.n_segments && a.segments[g].offset < whole_end && n < kTmaMaxPieces; ++g) {
       const SumSegment& seg = a.segments[g];
       const int64_t lo = ((seg.offset > t0 ? seg.offset : t0) + 7) & ~int64_t{7};
       const int64_t valid_end = seg.offset + seg.valid;
@@ -406,16 +438,26 @@ using TmaKernel = void (*)(SumArgs, int, int);
 
 template <typename T>
 TmaKernel tma_kernel(int n_staged) {
+  // clang-format off: one line per case reads as a table
   switch (n_staged) {
-    case 0: return sum_tma_kernel<T, 0>;
-    case 1: return sum_tma_kernel<T, 1>;
-    case 2: return sum_tma_kernel<T, 2>;
-    case 3: return sum_tma_kernel<T, 3>;
-    case 4: return sum_tma_kernel<T, 4>;
-    case 5: return sum_tma_kernel<T, 5>;
-    case 6: return sum_tma_kernel<T, 6>;
-    default: return sum_tma_kernel<T, 7>;
+    case 0:
+      return sum_tma_kernel<T, 0>;
+    case 1:
+      return sum_tma_kernel<T, 1>;
+    case 2:
+      return sum_tma_kernel<T, 2>;
+    case 3:
+      return sum_tma_kernel<T, 3>;
+    case 4:
+      return sum_tma_kernel<T, 4>;
+    case 5:
+      return sum_tma_kernel<T, 5>;
+    case 6:
+      return sum_tma_kernel<T, 6>;
+    default:
+      return sum_tma_kernel<T, 7>;
   }
+  // clang-format on
 }
 
 TmaKernel tma_kernel(int dtype, int n_staged) {
@@ -459,8 +501,7 @@ void plan_tma(SumLaunch& l, int ctas) {
 }  // namespace
 
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
-                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
-                          int kernel) {
+                          int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, int kernel) {
   TIDE_CHECK(kernel == kSumAuto || kernel == kSumRegs || kernel == kSumTma,
              "launch_sum: kernel must be 0 (auto), 1 (regs) or 2 (tma)");
   TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
@@ -484,14 +525,16 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
   a.alpha = alpha;
   a.accumulate = accumulate ? 1 : 0;
   const int64_t units = (std::max<int64_t>(count, 0) + 7) / 8;
-  l.blocks = static_cast<int>(std::min<int64_t>(std::max(ctas, 1), std::max<int64_t>(1, (units + kThreads - 1) / kThreads)));
+  l.blocks =
+      static_cast<int>(std::min<int64_t>(std::max(ctas, 1), std::max<int64_t>(1, (units + kThreads - 1) / kThreads)));
   l.dtype = dtype;
   l.kernel = kSumRegs;
   const bool tma_applies = dtype != 2 && a.n_staged <= kTmaMaxStaged && count > 0;
   if (kernel == kSumTma || (kernel == kSumAuto && tma_applies && a.n_staged <= kTmaAutoMaxStaged)) {
     const bool available = tma_available();
-    TIDE_CHECK(available || kernel == kSumAuto, "launch_sum: sum_kernel='tma' needs a GPU of compute capability "
-                                                "9.0+ and an extension built for it (TMA bulk copies)");
+    TIDE_CHECK(available || kernel == kSumAuto,
+               "launch_sum: sum_kernel='tma' needs a GPU of compute capability "
+               "9.0+ and an extension built for it (TMA bulk copies)");
     if (available && tma_applies) plan_tma(l, ctas);
   }
   return l;
@@ -509,9 +552,15 @@ void launch_sum(const SumLaunch& l, uint64_t stream) {
     return;
   }
   switch (l.dtype) {
-    case 0: if (!launch_fast<__nv_bfloat16>(a, l.blocks, s)) sum_kernel<__nv_bfloat16><<<l.blocks, kThreads, 0, s>>>(a); break;
-    case 1: if (!launch_fast<__half>(a, l.blocks, s)) sum_kernel<__half><<<l.blocks, kThreads, 0, s>>>(a); break;
-    default: sum_kernel<float><<<l.blocks, kThreads, 0, s>>>(a); break;
+    case 0:
+      if (!launch_fast<__nv_bfloat16>(a, l.blocks, s)) sum_kernel<__nv_bfloat16><<<l.blocks, kThreads, 0, s>>>(a);
+      break;
+    case 1:
+      if (!launch_fast<__half>(a, l.blocks, s)) sum_kernel<__half><<<l.blocks, kThreads, 0, s>>>(a);
+      break;
+    default:
+      sum_kernel<float><<<l.blocks, kThreads, 0, s>>>(a);
+      break;
   }
   TIDE_CUDA_CHECK(cudaGetLastError());
 }

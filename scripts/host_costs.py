@@ -2,7 +2,7 @@
 
     python scripts/host_costs.py        # one process, GPUs 0 and 1 (the P2P copies go to GPU 1)
 
-A call's host enqueue time is the sum of these (docs/design.md, "Fifth session"); from idle it sits
+A call's host enqueue time is the sum of these (docs/design.md, "What bounds performance"); from idle it sits
 on the critical path, which is why a call's first copy batch is kept short (FIRST_BATCH_COPIES).
 """
 import statistics

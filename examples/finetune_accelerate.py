@@ -53,10 +53,8 @@ def train(args, accelerator: Accelerator, tokens: torch.Tensor, *, stock: bool) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     with tide_accelerate.disabled() if stock else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    handle = get_handle(model)
-    name = "TIDE" if handle is not None else "stock FSDP2"
-    if handle is not None:
-        accelerator.print(handle.report())
+    # The install printed TIDE's report on the main process.
+    name = "TIDE" if get_handle(model) is not None else "stock FSDP2"
 
     meter = Meter(args.seq_len * args.batch_size * accelerator.num_processes)
     batches = batch_iterator(tokens, args.seq_len, args.batch_size, seed=args.seed, rank=accelerator.process_index)

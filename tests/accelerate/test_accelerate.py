@@ -66,6 +66,34 @@ def test_cli_compare_stock_matches_stock_fsdp2():
     assert runs["TIDE"] == pytest.approx(runs["stock FSDP2"], abs=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_shipped_yaml_serves_any_hugging_face_model_and_logs_to_trackers(tmp_path, arch):
+    """The shipped YAML names no layer class: Accelerate wraps the model's _no_split_modules blocks
+    (GPT2Block, Qwen2DecoderLayer), TIDE serves every group, the report is printed once, and the
+    script's tracker receives tide/* metrics for every optimizer step."""
+    proc = tide_accelerate("launch", "--config_file", str(CONFIG), "--mixed_precision", "no", "--main_process_port",
+                           "0", "-m", "tests.accelerate.any_model_app", arch, str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = re.findall(r"TIDE in_place on (\d+) FSDP2 parameter group\(s\): (\d+) served", proc.stdout)
+    assert len(reports) == 1, proc.stdout  # once, on the main process
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["distributed_type"] == "FSDP" and len(r["blocks"]) == 3
+        # Every group served; each block is a group of its own (the rest: the root, and the embeddings
+        # that Accelerate shards separately).
+        assert r["served"] == r["groups"] and len(r["groups"]) == int(reports[0][0]) == int(reports[0][1])
+        assert set(r["blocks"]) <= set(r["groups"]), (r["blocks"], r["groups"])
+        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
+    logged = [json.loads(line) for line in (tmp_path / "tracker.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [1, 2, 3]
+    assert all(entry["tide/all_gathers"] > 0 and entry["tide/reduce_scatters"] > 0 for entry in logged)
+    # The steps' metrics add up to the main process's cumulative counters.
+    stats = ranks[0]["stats"]
+    assert sum(entry["tide/all_gathers"] for entry in logged) == stats["all_gathers"]
+    assert sum(entry["tide/reduce_scatters"] for entry in logged) == stats["reduce_scatters"]
+    assert sum(entry["tide/ag_gb"] for entry in logged) * 1e9 == pytest.approx(stats["ag_bytes"])
+
+
 def bad_config(tmp_path, section: str) -> Path:
     config = tmp_path / "bad.yaml"
     config.write_text(CONFIG.read_text().split("\ntide:")[0] + "\ntide:\n" + section)

@@ -15,9 +15,10 @@ from typing import Any
 MODES = ("in_place", "slot_reuse")
 TRANSPORTS = ("auto", "reference", "cuda")
 SUM_KERNELS = ("auto", "tma", "regs")
-#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/gpu.
-OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_AG_ARGS", "TIDE_RS_ARGS", "TIDE_AG_SWEEP",
-                  "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
+#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
+#: (setup_env, gpu).
+OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
+                  "TIDE_AG_SWEEP", "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
 _warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about in this process
 
 

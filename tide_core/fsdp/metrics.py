@@ -40,3 +40,19 @@ class StepMetrics:
         if torch.cuda.is_available():
             metrics["tide/peak_mem_gib"] = torch.cuda.max_memory_allocated() / (1 << 30)
         return metrics
+
+
+def run_totals(handle) -> dict[str, float]:
+    """This rank's totals since ``install``: GB TIDE's all-gathers and reduce-scatters sent, and the
+    layout copies stock FSDP2 makes on the same calls that TIDE does not: one copy-out per
+    all-gather (the gathered group, from FSDP2's flat buffer into the parameters; TIDE lands shards
+    in parameter storage) and one packing per reduce-scatter (``_chunk_cat`` of the gradients into a
+    flat buffer; TIDE reads them where autograd left them)."""
+    stats = handle.stats()
+    return {
+        "ag_gb": stats["ag_bytes"] / 1e9,
+        "rs_gb": stats["rs_bytes"] / 1e9,
+        "copy_outs_avoided": stats["all_gathers"],
+        "packings_avoided": stats["reduce_scatters"],
+        "copy_out_gb_avoided": sum(g.stats["all_gathers"] * g.layout.group_bytes for g in handle.served_groups) / 1e9,
+    }

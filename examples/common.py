@@ -141,7 +141,8 @@ def comparison_table(rows: list[dict]) -> str:
     for r in rows:
         t = r["tide"]
         if t is not None:
-            lines.append(f"{r['run']} on rank 0: all-gathers sent {t['ag_gb']:.3f} GB, reduce-scatters {t['rs_gb']:.3f} GB; "
+            lines.append(f"{r['run']} on rank 0: all-gathers sent {t['ag_gb']:.3f} GB, "
+                         f"reduce-scatters {t['rs_gb']:.3f} GB; "
                          f"layout copies avoided: {t['copy_outs_avoided']} all-gather copy-outs "
                          f"({t['copy_out_gb_avoided']:.3f} GB) and {t['packings_avoided']} reduce-scatter packings")
     if gpu and stock is not None and len(rows) == 2 and stock["tokens_per_s"]:

@@ -35,6 +35,10 @@ def test_an_explicit_argument_is_not_blamed_on_the_environment():
         TIDEConfig.from_env(environ={"TIDE_TRANSPORT": "reference"}, mode="fast")
 
 
+def test_a_bad_variable_that_an_argument_overrides_is_not_read():
+    assert TIDEConfig.from_env(environ={"TIDE_MODE": "bogus"}, mode="slot_reuse").mode == "slot_reuse"
+
+
 def test_good_values_are_read():
     cfg = TIDEConfig.from_env(environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8", "TIDE_RING": "off"})
     assert (cfg.mode, cfg.max_params, cfg.ring) == ("slot_reuse", 8, False)

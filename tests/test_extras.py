@@ -32,7 +32,8 @@ def test_tide_accelerate_without_accelerate_names_the_extra():
             "    print(type(exc).__name__, exc)\n"
             "sys.exit(tide_accelerate.main(['launch', 'train.py']))\n")
     proc = python(code)
-    message = f"needs accelerate, which is not installed; install TIDE's 'accelerate' extra: pip install -e '{ROOT}[accelerate]'"
+    message = ("needs accelerate, which is not installed; install TIDE's 'accelerate' extra: "
+               f"pip install -e '{ROOT}[accelerate]'")
     assert proc.stdout == f"MissingExtraError tide_accelerate {message}\n", proc.stdout + proc.stderr
     # The tide-accelerate command: one line, no traceback, exit status 2.
     assert proc.returncode == 2 and proc.stderr == f"tide-accelerate: error: tide-accelerate {message}\n"

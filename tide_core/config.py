@@ -130,7 +130,7 @@ class TIDEConfig:
             env_values = {}
             for f in fields(cls):
                 key = env_var(f.name)
-                if key in environ:
+                if key in environ and overrides.get(f.name) is None:  # an explicit argument wins, unread
                     env_values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
             _check_env_values(cls, env_values, environ)
             _warn_unknown_env_vars(environ)

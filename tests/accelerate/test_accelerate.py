@@ -126,8 +126,8 @@ def test_launcher_rejects_bad_tide_values(tmp_path, capsys, section, fragment):
 def test_build_command_strips_the_tide_section(tmp_path):
     from tide_accelerate.launch import build_command
 
-    command, env, temp_config = build_command(["--num_processes", "2", f"--config_file={CONFIG}", "-m", "pkg.train",
-                                               "--lr", "1"], environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8"})
+    argv = ["--num_processes", "2", f"--config_file={CONFIG}", "-m", "pkg.train", "--lr", "1"]
+    command, env, temp_config = build_command(argv, environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8"})
     try:
         assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
         assert command[3:] == ["--config_file", temp_config, "--num_processes", "2", "-m",
@@ -177,7 +177,12 @@ def test_launch_deletes_its_temporary_config(tmp_path, monkeypatch):
     from tide_accelerate import launch
 
     seen = []
-    monkeypatch.setattr(launch, "run", lambda command, env: seen.append(Path(command[command.index("--config_file") + 1]).exists()) or 3)
+
+    def run(command, env):  # instead of accelerate launch: is the config there while it runs?
+        seen.append(Path(command[command.index("--config_file") + 1]).exists())
+        return 3
+
+    monkeypatch.setattr(launch, "run", run)
     assert launch.main(["launch", "--config_file", str(CONFIG), str(EXAMPLE)]) == 3  # the launch's exit status
     assert seen == [True] and list(tmp_path.iterdir()) == []
 

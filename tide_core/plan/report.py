@@ -69,7 +69,7 @@ rank issues per all-gather; AG stage: its receive buffer for other nodes' shards
 reduce-scatter waves of contributors and cross-node rounds; RS copies: copies one rank issues inside
 its node per reduce-scatter."""
 
-MULTICAST_LEGEND = "AG copies if multicast: the count with NVSwitch multicast, which TIDE does not use (for comparison)."
+MULTICAST_LEGEND = "AG copies if multicast: the count with NVSwitch multicast, which TIDE does not use (a comparison)."
 
 
 def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_width: int | None = None,
@@ -117,9 +117,9 @@ def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_
         f"Reduce-scatter schedule (Latin square): wave width W={wave_width}, round width "
         f"k={k}, {len(ls.waves)} wave(s), {ls.generations} generation(s), outbox depth {ls.outbox_depth} "
         f"({'memory-efficient' if memory_efficient else 'full'} outbox): {validity}",
-        f"Solver's choice{paper('Appendix G')} (cost-model constants from the design paper): sum CTAs={sol.sum_ctas} landing "
-        f"CTAs={sol.landing_ctas} round width k={sol.round_width} rounds={sol.num_rounds} network time per round "
-        f"{sol.t_nic * 1e3:.2f} ms",
+        f"Solver's choice{paper('Appendix G')} (cost-model constants from the design paper): "
+        f"sum CTAs={sol.sum_ctas} landing CTAs={sol.landing_ctas} round width k={sol.round_width} "
+        f"rounds={sol.num_rounds} network time per round {sol.t_nic * 1e3:.2f} ms",
     ]
     bounds = memory_bounds(M, L, ls.generations, k, 2)
     lines += [

@@ -1,4 +1,4 @@
-"""A plain Accelerate training script (no TIDE code) on a non-Llama Hugging Face model, with a tracker.
+"""A plain Accelerate training loop on a non-Llama Hugging Face model, with a tracker (TIDE only reports).
 
     tide-accelerate launch --config_file examples/accelerate/tide.yaml -m tests.accelerate.any_model_app ARCH OUT_DIR
 

@@ -14,7 +14,8 @@ def require_extra(extra: str, modules: list[str], user: str) -> None:
     """Raise ``MissingExtraError`` naming ``extra`` unless every module in ``modules`` can be imported."""
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
-        raise MissingExtraError(f"{user} needs {', '.join(missing)}, which is not installed; install TIDE's "
+        verb = "is" if len(missing) == 1 else "are"
+        raise MissingExtraError(f"{user} needs {', '.join(missing)}, which {verb} not installed; install TIDE's "
                                 f"'{extra}' extra: {install_command(extra)}", name=missing[0])
 
 

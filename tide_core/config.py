@@ -6,13 +6,20 @@ Precedence: explicit arguments > a ``TIDEConfig`` passed in (used as is) > envir
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
 MODES = ("in_place", "slot_reuse")
 TRANSPORTS = ("auto", "reference", "cuda")
 SUM_KERNELS = ("auto", "tma", "regs")
+#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
+#: (setup_env, gpu).
+OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
+                  "TIDE_AG_SWEEP", "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
+_warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about in this process
 
 
 @dataclass
@@ -119,10 +126,15 @@ class TIDEConfig:
         else the ``TIDE_*`` variables, else the defaults."""
         environ = os.environ if environ is None else environ
         values = dataclasses.asdict(base) if base is not None else {}
-        for f in fields(cls):
-            key = f"TIDE_{f.name.upper()}"
-            if base is None and key in environ:
-                values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
+        if base is None:
+            env_values = {}
+            for f in fields(cls):
+                key = env_var(f.name)
+                if key in environ and overrides.get(f.name) is None:  # an explicit argument wins, unread
+                    env_values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
+            _check_env_values(cls, env_values, environ)
+            _warn_unknown_env_vars(environ)
+            values.update(env_values)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
@@ -131,6 +143,39 @@ class TIDEConfig:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def env_var(field_name: str) -> str:
+    return f"TIDE_{field_name.upper()}"
+
+
+def _check_env_values(cls, env_values: dict, environ) -> None:
+    """Validate the values read from the environment, naming the variable that holds a bad one."""
+    try:
+        cls(**env_values)
+        return
+    except ValueError as exc:
+        error = exc
+    for name, value in env_values.items():  # which variable alone is invalid
+        try:
+            cls(**{name: value})
+        except ValueError as exc:
+            raise ValueError(f"environment variable {env_var(name)}={environ[env_var(name)]!r}: {exc}") from None
+    names = ", ".join(f"{env_var(n)}={environ[env_var(n)]!r}" for n in env_values)
+    raise ValueError(f"environment variables {names}: {error}") from None
+
+
+def _warn_unknown_env_vars(environ) -> None:
+    """Warn once per process about each ``TIDE_*`` variable TIDE does not read (a misspelling is
+    otherwise silently ignored), naming the closest known one."""
+    known = [env_var(f.name) for f in fields(TIDEConfig)] + list(OTHER_ENV_VARS)
+    for key in sorted(environ):
+        if not key.startswith("TIDE_") or key in known or key in _warned_env_vars:
+            continue
+        _warned_env_vars.add(key)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"TIDE reads {', '.join(known)}"
+        warnings.warn(f"environment variable {key} is not a TIDE setting and is ignored; {hint}", stacklevel=3)
 
 
 def parse_field(field: dataclasses.Field, raw: str, where: str):

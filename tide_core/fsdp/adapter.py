@@ -335,6 +335,14 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                 transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device, config=config,
                                                  single_host=single_host)
             except TIDEError as exc:
+                if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
+                    for served in entries:  # leave the model as install found it
+                        for fp in served.served.fsdp_params if served.served else ():
+                            fp.__dict__.pop("_tide_group", None)
+                    for transport in transports.values():
+                        transport.close()
+                    raise TIDEError(f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
+                                    "collectives where the CUDA transport cannot serve)") from exc
                 entry.reason = f"transport unavailable: {exc}"
                 continue
         group = TideGroup(handle, entry.index, entry.name, pg, transports[key], None, internals)
@@ -371,6 +379,11 @@ def uninstall(model: nn.Module) -> None:
     handle = model.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         return
+    live = [g.name for g in handle.served_groups if g.live]
+    if live:  # checked before anything is undone: the model stays fully served
+        raise TIDEError(f"cannot uninstall TIDE while group(s) {', '.join(live)} are unsharded (e.g. after a "
+                        "forward under torch.no_grad(), where FSDP2 keeps the root unsharded): call "
+                        "model.reshard() first, or uninstall between training steps")
     for group in handle.served_groups:
         group.unbind()
     if handle.internals is not None:

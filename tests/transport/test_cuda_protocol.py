@@ -106,7 +106,7 @@ def _pieces_after_arrival(rank, world_size, tag):
             t.synchronize()
             assert torch.equal(out, expect), call
         assert not dev.errors, dev.errors
-        return t.flag_kinds
+        return t.memory.flag_kinds
     finally:
         dev.close()
         alloc.cleanup()

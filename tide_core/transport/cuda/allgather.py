@@ -12,7 +12,7 @@ from the receive stage into every local GPU's landing.
 
 from __future__ import annotations
 
-from tide_core.plan import GroupLayout, allgather_plan
+from tide_core.plan import GroupLayout, allgather_plan, balance_lanes
 from tide_core.transport.cuda.memory import AG_DONE, AG_READY, AG_SCATTERED, RAIL_ACK, RAIL_CREDIT, RAIL_DATA, SymmetricMap
 from tide_core.transport.cuda.streams import Streams, place_local, push
 from tide_core.transport.faults import Site
@@ -82,30 +82,20 @@ class AllGatherRecorder:
 
     def _descriptors(self, layout: GroupLayout, shards, outputs):
         """(local copies, lanes, landings): the own shards' placement; the node-local peer pushes
-        split over ``copy_lanes`` copy streams, balanced by bytes, each lane (local peers it writes,
-        dsts, srcs, sizes); and the landing bases of ``_landing_addresses``."""
+        split over the copy lanes (``plan.balance_lanes``), each lane (local peers it writes, dsts,
+        srcs, sizes); and the landing bases of ``_landing_addresses``."""
         plan = self.plan(layout)
         landings = self._landing_addresses(layout, outputs)
-        local = ([], [], [])
-        pushes = []
-        for p_push in plan.local_pushes:
-            p = p_push.param
-            copy = (landings[p][p_push.dst_local] + p_push.dst_offset, shards[p].data_ptr(), p_push.nbytes)
-            if p_push.dst_local == self.local:
-                for column, value in zip(local, copy):
-                    column.append(value)
-            else:
-                pushes.append((p_push.dst_local, copy))
-        n_lanes = max(1, min(len(self.streams.lanes), len(pushes)))
-        lanes = [(set(), [], [], []) for _ in range(n_lanes)]
-        load = [0] * n_lanes
-        for peer, copy in sorted(pushes, key=lambda item: -item[1][2]):  # largest first onto the lightest lane
-            lane = load.index(min(load))
-            load[lane] += copy[2]
-            lanes[lane][0].add(peer)
-            for column, value in zip(lanes[lane][1:], copy):
-                column.append(value)
-        return local, [(sorted(targets), dsts, srcs, sizes) for targets, dsts, srcs, sizes in lanes], landings
+
+        def columns(pushes) -> tuple[list, list, list]:
+            return ([landings[p.param][p.dst_local] + p.dst_offset for p in pushes],
+                    [shards[p.param].data_ptr() for p in pushes], [p.nbytes for p in pushes])
+
+        local = columns([p for p in plan.local_pushes if p.dst_local == self.local])
+        peer_pushes = [p for p in plan.local_pushes if p.dst_local != self.local]
+        lanes = [(sorted({p.dst_local for p in lane}), *columns(lane))
+                 for lane in balance_lanes(peer_pushes, len(self.streams.lanes))]
+        return local, lanes, landings
 
     def _place_local(self, dev, stream, dsts, srcs, sizes) -> None:
         place_local(dev, stream, dsts, srcs, sizes, self.config.local_copy, self.config.local_copy_ctas)

@@ -14,23 +14,10 @@ last piece landed and each sum kernel is short.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tide_core.plan import GroupLayout, chunk_pieces, chunk_segments, level1_copies, level1_order, split_copies
+from tide_core.plan import GroupLayout, Level1Step, level1_steps
 from tide_core.transport.cuda.memory import RS_ARRIVAL, RS_CREDIT, SymmetricMap
 from tide_core.transport.cuda.streams import Streams, push
 from tide_core.transport.faults import Site
-
-
-@dataclass(frozen=True)
-class Level1Step:
-    contributor: int  # c: this node is contributor c of node dest_node (c = M: its own node)
-    dest_node: int
-    dest_rank: int  # the destination whose node partial this rank forms in the step
-    chunks: list
-    pieces: list  # per chunk, per piece: (the Level1Copy pushes this rank issues, sum kernel launches
-    #               (first, count, segments)); a piece's launches start once its pushes arrived
-    order: list  # staged node peers' local ranks, in the order their contributions are added
 
 
 class Level1Recorder:
@@ -41,50 +28,12 @@ class Level1Recorder:
         self._plans: dict = {}
 
     def steps(self, layout: GroupLayout, chunk_elems: int) -> list[Level1Step]:
-        """Level-1 steps of a call, c = 1..M (node n reduces for node (n + c) mod M; c = M is its
-        own node, the only step when M = 1): the destination rank this rank owns in the step, its
-        chunks, each chunk's pieces (the copies and the sum kernel launches of each), and the staged
-        peers' local ranks in the order they are added."""
+        """This rank's Level-1 steps of a call (``plan.level1_steps``), planned once per layout."""
         key = (layout.signature(), chunk_elems)
-        if key in self._plans:
-            return self._plans[key]
-        topo, n, u = self.topology, self.memory.node, self.local
-        copies = level1_copies(layout, topo, self.rank, chunk_elems)
-        steps = []
-        for c in range(1, topo.nodes + 1):
-            m = (n + c) % topo.nodes
-            dest = topo.rank(m, (u + c % topo.nodes) % topo.gpus_per_node)  # level1_owner(dest, n) == u
-            chunks = chunk_segments(layout, dest, chunk_elems)
-            by_chunk: list[list] = [[] for _ in chunks]
-            for cp in copies:
-                if topo.node_of(cp.dest_rank) == m:
-                    by_chunk[cp.chunk].append(cp)
-            order = [topo.local_of(r) for r in level1_order(topo, dest, n) if r != self.rank]
-            pieces = []
-            for chunk, chunk_copies in zip(chunks, by_chunk):
-                bounds = chunk_pieces(chunk.length, self.piece_elems)
-                pieces.append(list(zip(split_copies(chunk_copies, bounds),
-                                       [self._split_launches(chunk, lo, hi) for lo, hi in bounds])))
-            steps.append(Level1Step(c, m, dest, chunks, pieces, order))
-        self._plans[key] = steps
-        return steps
-
-    def _split_launches(self, chunk, lo: int, hi: int) -> list[tuple[int, int, list]]:
-        """(first, count, segments) per kernel launch over chunk elements [lo, hi): at most
-        MAX_SEGMENTS segments each, split at 8-element boundaries; a segment straddling a split
-        appears in both launches."""
-        limit = self.max_segments
-        launches, first = [], lo
-        while first < hi:
-            rel = [s for s in chunk.segments
-                   if s.out_offset - chunk.start + s.length > first and s.out_offset - chunk.start < hi]
-            if len(rel) > limit:
-                end = max((rel[limit].out_offset - chunk.start) // 8 * 8, first + 8)
-            else:
-                end = hi
-            launches.append((first, end - first, [s for s in rel[:limit] if s.out_offset - chunk.start < end]))
-            first = end
-        return launches
+        if key not in self._plans:
+            self._plans[key] = level1_steps(layout, self.topology, self.rank, chunk_elems, self.piece_elems,
+                                            self.max_segments)
+        return self._plans[key]
 
     def record(self, dev, step: Level1Step, grads, out_ptr: int, alpha, accumulate, first_seq: int,
                after_chunk=None) -> None:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tide_core.plan import GroupLayout, LatinSquarePlan, chunk_pieces
-from tide_core.transport.cuda.level1 import Level1Recorder, Level1Step
+from tide_core.plan import GroupLayout, LatinSquarePlan, Level1Step, chunk_pieces
+from tide_core.transport.cuda.level1 import Level1Recorder
 from tide_core.transport.cuda.memory import RS_INBOX, RS_RAIL_CREDIT, RS_RAIL_DATA, RS_READ, SymmetricMap
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import Site

@@ -5,8 +5,15 @@ from __future__ import annotations
 import pytest
 
 from tide_core.plan import latin_square_plan
-from tide_core.plan.buffers import (block_bytes, chunk_bytes, chunk_elems, inbox_plan, piece_elems, staging_slot_bytes,
-                                    staging_slot_offset)
+from tide_core.plan.buffers import (
+    block_bytes,
+    chunk_bytes,
+    chunk_elems,
+    inbox_plan,
+    piece_elems,
+    staging_slot_bytes,
+    staging_slot_offset,
+)
 from tide_core.plan.memory import staging_area_blocks
 
 
@@ -21,8 +28,15 @@ def test_inbox_plans_stay_within_eq10_and_reuse_blocks_only_after_their_read():
                     plan = latin_square_plan(M, L, W, 2, memory_efficient)
                     inbox = inbox_plan(plan, max_sources=16)
                     blocks = plan.outbox_depth + inbox.blocks + 1 + (len(inbox.landing) > 1)
-                    eq10 = staging_area_blocks(gpus_per_node=L, generations=plan.generations,
-                                               outbox_depth=plan.outbox_depth, staging_slots=2) - 2 * L / 2
+                    eq10 = (
+                        staging_area_blocks(
+                            gpus_per_node=L,
+                            generations=plan.generations,
+                            outbox_depth=plan.outbox_depth,
+                            staging_slots=2,
+                        )
+                        - 2 * L / 2
+                    )
                     assert blocks <= eq10, (M, L, W, memory_efficient, blocks, eq10)
                     assert sorted(c for group in inbox.landing for c in group) == list(range(1, M + 1))
                     for c, nxt in inbox.next_use.items():
@@ -32,8 +46,10 @@ def test_inbox_plans_stay_within_eq10_and_reuse_blocks_only_after_their_read():
                             assert inbox.use[nxt] == inbox.use[c] + 1
 
 
-@pytest.mark.parametrize("M,L,W,memory_efficient", [(2, 1, 1, False), (5, 1, 1, False), (5, 1, 1, True),
-                                                    (6, 2, 1, True), (9, 4, 2, False), (17, 8, 4, True)])
+@pytest.mark.parametrize(
+    "M,L,W,memory_efficient",
+    [(2, 1, 1, False), (5, 1, 1, False), (5, 1, 1, True), (6, 2, 1, True), (9, 4, 2, False), (17, 8, 4, True)],
+)
 def test_level2_blocks_never_overlap(M, L, W, memory_efficient):
     """Outbox, inbox, spare and running total: disjoint blocks inside ``block_count``; two remote
     contributors share a block only where the plan reuses it (outbox recycling, inbox generations)."""
@@ -65,8 +81,12 @@ def test_staging_slots_tile_each_owners_staging_without_overlap():
         for n_slots in (1, 2, 3):
             slot_bytes = 4096
             for owner in range(L):
-                offsets = sorted(staging_slot_offset(owner, source, slot, n_slots, slot_bytes)
-                                 for source in range(L) if source != owner for slot in range(n_slots))
+                offsets = sorted(
+                    staging_slot_offset(owner, source, slot, n_slots, slot_bytes)
+                    for source in range(L)
+                    if source != owner
+                    for slot in range(n_slots)
+                )
                 assert offsets == [i * slot_bytes for i in range((L - 1) * n_slots)]
     with pytest.raises(ValueError, match="own rows"):
         staging_slot_offset(2, 2, 0, 2, 4096)

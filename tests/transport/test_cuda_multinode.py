@@ -21,6 +21,7 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, latin_square_plan
 from tide_core.plan.memory import staging_area_blocks
 from tide_core.transport.cuda import CudaTransport
@@ -33,7 +34,7 @@ def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=20.0, copy_dela
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     config = TIDEConfig(timeout_s=timeout_s, rail="p2p", **config)
-    t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
+    t = CudaTransport(topo, None, options=cuda_options(config), device=torch.device("cpu"), backend=dev, allocator=alloc,
                       faults=faults)
     return t, dev, alloc
 

@@ -17,9 +17,8 @@ from tests.support.dist import run_distributed
 from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator, shut_down
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
-from tide_core.config import TIDEConfig
 from tide_core.plan import Topology
-from tide_core.transport.cuda import CudaTransport
+from tide_core.transport.cuda import CudaOptions, CudaTransport
 from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 from tide_core.transport.reference import ReferenceTransport
 
@@ -30,9 +29,9 @@ def _transport(world_size, tag, *, faults=(), sum_delay_s=0.0, timeout_s=30.0, c
     (1 KiB = 256 fp32 output elements per piece)."""
     dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues, push_delay_s=push_delay_s)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
-    config = TIDEConfig(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4,
-                        sum_slice_mib=slice_bytes / (1 << 20))
-    t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
+    options = CudaOptions(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4,
+                          sum_slice_mib=slice_bytes / (1 << 20))
+    t = CudaTransport(Topology(1, world_size), None, options=options, device=torch.device("cpu"), backend=dev,
                       allocator=alloc, faults=faults)
     return t, dev, alloc
 
@@ -152,6 +151,8 @@ def _fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
         outcome["timeout"] = str(exc)
     finally:
         shut_down(dev, alloc)
+    # faulted calls replay a compiled edit of their recording; the recording itself is cached as usual
+    outcome["edits"] = sum(len(program.variants) for program in t._programs.values())
     return outcome
 
 
@@ -237,7 +238,7 @@ def _mismatched_slices(rank, world_size, tag):
 
 def test_ranks_with_different_protocol_settings_abort_naming_the_field():
     messages = run_distributed(_mismatched_slices, 2, args=(uuid.uuid4().hex[:8],), timeout=60)
-    assert all("CudaTransport: ranks disagree" in m and "config.sum_slice_mib" in m for m in messages), messages
+    assert all("CudaTransport: ranks disagree" in m and "options.sum_slice_mib" in m for m in messages), messages
 
 
 def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
@@ -261,6 +262,7 @@ def test_fault_injection_is_detected(name):
     collective, fault, faulty, expected, delay = FAULTS[name]
     outcomes = run_distributed(_fault, 2, args=(uuid.uuid4().hex[:8], collective, fault, faulty, delay), timeout=120)
     print(f"\n{name}: {outcomes}")
+    assert outcomes[faulty]["edits"] >= 1 and outcomes[1 - faulty]["edits"] == 0
     if expected == "timeout":
         # fail-stop on every rank: each raises PeerStallTimeout instead of hanging
         assert all(o["timeout"] and "did not complete within 2 s" in o["timeout"] for o in outcomes)

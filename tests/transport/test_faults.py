@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 
 from tide_core.runtime.program import ProgramRecorder, RecordedProgram
-from tide_core.transport.faults import (ALL_GATHER, REDUCE_SCATTER, Call, DropRailCredits, DropStagingCredits, Faults,
-                                        ReorderCalls, ReuseStagingEarly, Site, SkipCompletion)
+from tide_core.transport.faults import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    Call,
+    DropRailCredits,
+    DropStagingCredits,
+    Faults,
+    ReorderCalls,
+    ReuseStagingEarly,
+    Site,
+    SkipCompletion,
+)
 
 
 def _chunk_credits(base: int, chunks: int) -> ProgramRecorder:

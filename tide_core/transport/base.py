@@ -119,6 +119,7 @@ class Transport(abc.ABC):
     name: str = "abstract"
     topology: Topology
     arena: Arena
+    device: torch.device
 
     @abc.abstractmethod
     def all_gather(self, layout: GroupLayout, shards, outputs): ...
@@ -144,6 +145,12 @@ class Transport(abc.ABC):
     def staging_bytes(self) -> int:
         """Transport-owned staging memory (reduce-scatter chunks, flags)."""
         return 0
+
+    def describe(self) -> list[str]:
+        """Lines for the install report: what serves the group, then any details."""
+        topo = self.topology
+        where = "GPU(s)" if self.device.type == "cuda" else f"{self.device.type} process(es)"
+        return [f"{self.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {where})"]
 
     def close(self) -> None:
         """Release background resources (threads); buffers go with the transport."""

@@ -16,8 +16,8 @@ where the transport records it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 ALL_GATHER, REDUCE_SCATTER = "all_gather", "reduce_scatter"
 

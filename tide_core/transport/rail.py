@@ -37,6 +37,7 @@ from tide_core.errors import TransportError
 from tide_core.plan import Topology
 
 FLAG_LINE = 64  # one signal word per cache line
+RAILS = ("auto", "p2p", "nccl_rma")
 NCCL_RMA_MIN_VERSION = (2, 31, 0)
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
@@ -122,8 +123,8 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
 
 def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool):
     """The rail ``kind`` ("auto" | "p2p" | "nccl_rma"); TransportError says why one cannot serve."""
-    if kind not in ("auto", "p2p", "nccl_rma"):
-        raise ValueError(f"rail={kind!r} is not supported; choose one of auto, p2p, nccl_rma")
+    if kind not in RAILS:
+        raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
     if kind in ("auto", "p2p") and single_host:
         return P2PRail(topology, rank, flags, slots)
     if kind == "p2p":

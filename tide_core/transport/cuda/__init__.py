@@ -2,6 +2,7 @@
 rail (Sections 3, 4).
 
     transport.py  CudaTransport: checks, recorded programs, watchdog (the facade)
+    options.py    CudaOptions: the transport's own options and their allowed values
     memory.py     SymmetricMap: flags, staging ring, Level-2 blocks, all-gather stage, rail words
     streams.py    the internal streams and how copy batches are issued on them
     allgather.py  AllGatherRecorder: node pushes, Bruck rounds over the rail, stage scatters
@@ -13,7 +14,8 @@ recorder issues a call's device work once against a ``ProgramRecorder``; the fac
 recording per call (``tide_core.runtime.program``).
 """
 
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import FIRST_BATCH_COPIES
 from tide_core.transport.cuda.transport import CudaTransport, CudaWork
 
-__all__ = ["CudaTransport", "CudaWork", "FIRST_BATCH_COPIES"]
+__all__ = ["CudaOptions", "CudaTransport", "CudaWork", "FIRST_BATCH_COPIES"]

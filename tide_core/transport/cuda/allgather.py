@@ -13,14 +13,23 @@ from the receive stage into every local GPU's landing.
 from __future__ import annotations
 
 from tide_core.plan import GroupLayout, allgather_plan, balance_lanes
-from tide_core.transport.cuda.memory import AG_DONE, AG_READY, AG_SCATTERED, RAIL_ACK, RAIL_CREDIT, RAIL_DATA, SymmetricMap
+from tide_core.transport.cuda.memory import (
+    AG_DONE,
+    AG_READY,
+    AG_SCATTERED,
+    RAIL_ACK,
+    RAIL_CREDIT,
+    RAIL_DATA,
+    SymmetricMap,
+)
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams, place_local, push
 from tide_core.transport.faults import Site
 
 
 class AllGatherRecorder:
-    def __init__(self, memory: SymmetricMap, streams: Streams, rail, config):
-        self.memory, self.streams, self.rail, self.config = memory, streams, rail, config
+    def __init__(self, memory: SymmetricMap, streams: Streams, rail, options: CudaOptions):
+        self.memory, self.streams, self.rail, self.options = memory, streams, rail, options
         self.topology, self.rank, self.local = memory.topology, memory.rank, memory.local
         self._plans: dict = {}
 
@@ -75,8 +84,9 @@ class AllGatherRecorder:
         node_ranks = [topo.rank(self.memory.node, j) for j in range(topo.gpus_per_node)]
         addresses = []
         for p in range(layout.num_params):
-            everyone = self.memory.peer_addresses(outputs[p].data_ptr(), layout.unsharded_numel(p) * layout.itemsize,
-                                                  f"outputs[{p}]")
+            everyone = self.memory.peer_addresses(
+                outputs[p].data_ptr(), layout.unsharded_numel(p) * layout.itemsize, f"outputs[{p}]"
+            )
             addresses.append([everyone[r] - layout.landing(p, 0) for r in node_ranks])
         return addresses
 
@@ -88,17 +98,22 @@ class AllGatherRecorder:
         landings = self._landing_addresses(layout, outputs)
 
         def columns(pushes) -> tuple[list, list, list]:
-            return ([landings[p.param][p.dst_local] + p.dst_offset for p in pushes],
-                    [shards[p.param].data_ptr() for p in pushes], [p.nbytes for p in pushes])
+            return (
+                [landings[p.param][p.dst_local] + p.dst_offset for p in pushes],
+                [shards[p.param].data_ptr() for p in pushes],
+                [p.nbytes for p in pushes],
+            )
 
         local = columns([p for p in plan.local_pushes if p.dst_local == self.local])
         peer_pushes = [p for p in plan.local_pushes if p.dst_local != self.local]
-        lanes = [(sorted({p.dst_local for p in lane}), *columns(lane))
-                 for lane in balance_lanes(peer_pushes, len(self.streams.lanes))]
+        lanes = [
+            (sorted({p.dst_local for p in lane}), *columns(lane))
+            for lane in balance_lanes(peer_pushes, len(self.streams.lanes))
+        ]
         return local, lanes, landings
 
     def _place_local(self, dev, stream, dsts, srcs, sizes) -> None:
-        place_local(dev, stream, dsts, srcs, sizes, self.config.local_copy, self.config.local_copy_ctas)
+        place_local(dev, stream, dsts, srcs, sizes, self.options.local_copy, self.options.local_copy_ctas)
 
     def _record_scatter(self, dev, stream, copies, stage, landings) -> None:
         """One round's stage runs into every local GPU's landing: this GPU's rows by the local copy
@@ -141,8 +156,9 @@ class AllGatherRecorder:
 
         # Area d (stage slots [2^d, 2^d + c_d)) is read by round d's scatter and by the tail of any
         # later round that forwards more than 2^d slots.
-        last_tail = {d: max((d2 for d2 in range(d + 1, R) if plan.sends[d2].num_slots > 1 << d), default=None)
-                     for d in range(R)}
+        last_tail = {
+            d: max((d2 for d2 in range(d + 1, R) if plan.sends[d2].num_slots > 1 << d), default=None) for d in range(R)
+        }
         dev.wait_event(s_send, start)
         dev.wait_event(s_recv, start)
         dev.wait_flags(s_recv, self.memory.local_flags(AG_READY), e)  # scatters write every local landing
@@ -156,8 +172,15 @@ class AllGatherRecorder:
                 rail.wait(dev, s_send, target, slot(RAIL_ACK, d - 1), e)
             base = (send.dst_slot - 1) * S
             with dev.at(Site.RAIL_PUT):
-                rail.put(dev, s_send, target, stage, [base + layout.shard_offset(p) for p in range(layout.num_params)],
-                         [t.data_ptr() for t in shards], [layout.shard_bytes(p) for p in range(layout.num_params)])
+                rail.put(
+                    dev,
+                    s_send,
+                    target,
+                    stage,
+                    [base + layout.shard_offset(p) for p in range(layout.num_params)],
+                    [t.data_ptr() for t in shards],
+                    [layout.shard_bytes(p) for p in range(layout.num_params)],
+                )
             if send.num_slots > 1:
                 for event in received:
                     dev.wait_event(s_send, event)

@@ -16,13 +16,16 @@ from __future__ import annotations
 
 from tide_core.plan import GroupLayout, Level1Step, level1_steps
 from tide_core.transport.cuda.memory import RS_ARRIVAL, RS_CREDIT, SymmetricMap
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams, push
 from tide_core.transport.faults import Site
 
 
 class Level1Recorder:
-    def __init__(self, memory: SymmetricMap, streams: Streams, config, piece_elems: int, max_segments: int):
-        self.memory, self.streams, self.config = memory, streams, config
+    def __init__(
+        self, memory: SymmetricMap, streams: Streams, options: CudaOptions, piece_elems: int, max_segments: int
+    ):
+        self.memory, self.streams, self.options = memory, streams, options
         self.topology, self.rank, self.local = memory.topology, memory.rank, memory.local
         self.piece_elems, self.max_segments = piece_elems, max_segments
         self._plans: dict = {}
@@ -31,12 +34,14 @@ class Level1Recorder:
         """This rank's Level-1 steps of a call (``plan.level1_steps``), planned once per layout."""
         key = (layout.signature(), chunk_elems)
         if key not in self._plans:
-            self._plans[key] = level1_steps(layout, self.topology, self.rank, chunk_elems, self.piece_elems,
-                                            self.max_segments)
+            self._plans[key] = level1_steps(
+                layout, self.topology, self.rank, chunk_elems, self.piece_elems, self.max_segments
+            )
         return self._plans[key]
 
-    def record(self, dev, step: Level1Step, grads, out_ptr: int, alpha, accumulate, first_seq: int,
-               after_chunk=None) -> None:
+    def record(
+        self, dev, step: Level1Step, grads, out_ptr: int, alpha, accumulate, first_seq: int, after_chunk=None
+    ) -> None:
         """Level 1 of ``step``: this node's contributions to each destination of node ``step.dest_node``,
         chunk by chunk, push then sum into ``out_ptr`` (the packed fp32 output of ``step.dest_rank``
         or its node partial). ``after_chunk(k, chunk)`` is called after chunk k's sum was issued."""
@@ -60,10 +65,14 @@ class Level1Recorder:
             for i, (copies, _) in enumerate(step.pieces[k] if mem.peers else ()):
                 owners = [self.topology.local_of(cp.owner) for cp in copies]
                 with dev.at(Site.RS_PUSH):
-                    push(dev, st.push,
-                         [mem.staging_slot(j, me, slot) + cp.staging_offset * itemsize for cp, j in zip(copies, owners)],
-                         [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
-                         [cp.length * itemsize for cp in copies], split_head=k == 0 and i == 0)
+                    push(
+                        dev,
+                        st.push,
+                        [mem.staging_slot(j, me, slot) + cp.staging_offset * itemsize for cp, j in zip(copies, owners)],
+                        [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
+                        [cp.length * itemsize for cp in copies],
+                        split_head=k == 0 and i == 0,
+                    )
                 dev.write_flags(st.push, mem.peer_flags(RS_ARRIVAL + i), q + 1)
             # Owner side: sum each piece once every peer's rows of it arrived, then return the
             # slot's credit.
@@ -73,10 +82,26 @@ class Level1Recorder:
                     dev.wait_flags(st.sum, mem.local_flags(RS_ARRIVAL + i), q + 1)
                 for first, count, segments in launches:
                     with dev.at(Site.RS_SUM):
-                        dev.sum(st.sum, out_ptr + chunk.start * 4, staged,
-                                [(sg.out_offset - chunk.start, sg.length, sg.valid,
-                                  grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segments],
-                                first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
+                        dev.sum(
+                            st.sum,
+                            out_ptr + chunk.start * 4,
+                            staged,
+                            [
+                                (
+                                    sg.out_offset - chunk.start,
+                                    sg.length,
+                                    sg.valid,
+                                    grad_ptr[sg.param] + sg.src_offset * itemsize,
+                                )
+                                for sg in segments
+                            ],
+                            first,
+                            count,
+                            float(alpha),
+                            bool(accumulate),
+                            grads[0].dtype,
+                            self.options.sum_ctas,
+                        )
             with dev.at(Site.RS_CREDIT):
                 dev.write_flags(st.sum, mem.peer_flags(RS_CREDIT), q + 1)
             if after_chunk is not None:

@@ -13,18 +13,37 @@ import torch
 from tide_core.plan import GroupLayout, LatinSquarePlan, Level1Step, chunk_pieces
 from tide_core.transport.cuda.level1 import Level1Recorder
 from tide_core.transport.cuda.memory import RS_INBOX, RS_RAIL_CREDIT, RS_RAIL_DATA, RS_READ, SymmetricMap
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import Site
 
 
 class Level2Recorder:
-    def __init__(self, memory: SymmetricMap, streams: Streams, rail, waves: LatinSquarePlan, level1: Level1Recorder,
-                 config, piece_elems: int):
+    def __init__(
+        self,
+        memory: SymmetricMap,
+        streams: Streams,
+        rail,
+        waves: LatinSquarePlan,
+        level1: Level1Recorder,
+        options: CudaOptions,
+        piece_elems: int,
+    ):
         self.memory, self.streams, self.rail, self.waves, self.level1 = memory, streams, rail, waves, level1
-        self.config, self.piece_elems = config, piece_elems
+        self.options, self.piece_elems = options, piece_elems
 
-    def record(self, dev, layout: GroupLayout, steps: list[Level1Step], grads, out, alpha, accumulate,
-               base_seq: int, start: int) -> None:
+    def record(
+        self,
+        dev,
+        layout: GroupLayout,
+        steps: list[Level1Step],
+        grads,
+        out,
+        alpha,
+        accumulate,
+        base_seq: int,
+        start: int,
+    ) -> None:
         """Flag values are relative to ``base_seq``; the call's "epoch" is ``end = base_seq + chunks``:
         rail data words carry it, and node-local inbox arrivals / reads of contributor cc carry
         ``base_seq + cc`` (<= end).
@@ -54,7 +73,7 @@ class Level2Recorder:
         end = base_seq + sum(len(step.chunks) for step in steps)
         data_slot, credit_slot = mem.rs_rail_slot(RS_RAIL_DATA), mem.rs_rail_slot(RS_RAIL_CREDIT)
         n_out = waves.outbox_depth
-        sum_ctas = self.config.sum_ctas
+        sum_ctas = self.options.sum_ctas
 
         def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
             return (n - cc) % M
@@ -81,8 +100,9 @@ class Level2Recorder:
             for step in (s for s in steps if (s.contributor - 1) // W == w):
                 c, m = step.contributor, step.dest_node
                 if c == M:
-                    self.level1.record(dev, step, grads, mem.rs_blocks.ptr + mem.inbox_offset(M), 1.0, False,
-                                       first_seq[c])
+                    self.level1.record(
+                        dev, step, grads, mem.rs_blocks.ptr + mem.inbox_offset(M), 1.0, False, first_seq[c]
+                    )
                     continue
                 if c - n_out in sent:  # the outbox block is recycled: its previous partial must be sent
                     dev.wait_event(st.sum, sent[c - n_out])
@@ -94,8 +114,15 @@ class Level2Recorder:
                         with dev.at(Site.RAIL_CREDIT_WAIT):
                             rail.wait(dev, st.rs_rail, m, credit_slot, credit)
                     with dev.at(Site.RAIL_PUT):
-                        rail.put(dev, st.rs_rail, m, mem.rs_blocks, [mem.inbox_offset(c) + chunk.start * 4],
-                                 [mem.outbox(c) + chunk.start * 4], [chunk.length * 4])
+                        rail.put(
+                            dev,
+                            st.rs_rail,
+                            m,
+                            mem.rs_blocks,
+                            [mem.inbox_offset(c) + chunk.start * 4],
+                            [mem.outbox(c) + chunk.start * 4],
+                            [chunk.length * 4],
+                        )
 
                 self.level1.record(dev, step, grads, mem.outbox(c), 1.0, False, first_seq[c], put_chunk)
                 with dev.at(Site.RAIL_DATA):
@@ -117,9 +144,18 @@ class Level2Recorder:
                         dev.wait_flags(st.sum, [mem.local_flag(RS_INBOX, holder)], base_seq + cc)
                 blocks = [mem.inbox_block(waves.inbox_gpu(u, cc), cc) for cc in group]
                 for lo, hi in chunk_pieces(E, self.piece_elems):  # slices (see sum_slice_mib)
-                    dev.sum(st.sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
-                            lo, hi - lo, float(alpha) if single else 1.0,
-                            bool(accumulate) if single else k > 0, torch.float32, sum_ctas)
+                    dev.sum(
+                        st.sum,
+                        out.data_ptr() if single else total,
+                        blocks[:-1],
+                        [(0, E, E, blocks[-1])],
+                        lo,
+                        hi - lo,
+                        float(alpha) if single else 1.0,
+                        bool(accumulate) if single else k > 0,
+                        torch.float32,
+                        sum_ctas,
+                    )
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
                     if cc == M:
@@ -137,6 +173,16 @@ class Level2Recorder:
         # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:
             for lo, hi in chunk_pieces(E, self.piece_elems):
-                dev.sum(st.sum, out.data_ptr(), [], [(0, E, E, total)], lo, hi - lo, float(alpha),
-                        bool(accumulate), torch.float32, sum_ctas)
+                dev.sum(
+                    st.sum,
+                    out.data_ptr(),
+                    [],
+                    [(0, E, E, total)],
+                    lo,
+                    hi - lo,
+                    float(alpha),
+                    bool(accumulate),
+                    torch.float32,
+                    sum_ctas,
+                )
         dev.wait_event(st.sum, dev.record(st.relay))

@@ -11,8 +11,6 @@ by the generation. All ranks grow at the same call, so segment names stay symmet
 
 from __future__ import annotations
 
-import functools
-
 from tide_core.plan import Topology, chunk_pieces
 from tide_core.plan.allgather import num_rounds
 from tide_core.plan.buffers import InboxPlan, block_bytes, staging_slot_bytes, staging_slot_offset
@@ -31,8 +29,17 @@ RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the 
 class SymmetricMap:
     """Addresses of the transport's symmetric buffers for rank ``rank`` of ``topology``."""
 
-    def __init__(self, arena: Arena, topology: Topology, rank: int, *, chunk_bytes: int, piece_elems: int,
-                 chunk_slots: int, inbox: InboxPlan | None):
+    def __init__(
+        self,
+        arena: Arena,
+        topology: Topology,
+        rank: int,
+        *,
+        chunk_bytes: int,
+        piece_elems: int,
+        chunk_slots: int,
+        inbox: InboxPlan | None,
+    ):
         """``chunk_bytes``, ``piece_elems``: the reduce-scatter chunk cap and sum slice (plan.buffers);
         ``inbox``: the multi-node reduce-scatter's inbox plan (None on one node)."""
         self.arena, self.topology, self.rank = arena, topology, rank
@@ -74,12 +81,10 @@ class SymmetricMap:
         """Node peer ``local``'s word of ``kind`` in node peer ``peer_local``'s flags."""
         return self.flags.peer_ptrs[self.topology.rank(self.node, peer_local)] + self._flag_offset(kind, local)
 
-    @functools.lru_cache(maxsize=None)
     def peer_flags(self, kind: int) -> list[int]:
         """This rank's word of ``kind`` in every node peer's flags."""
         return [self.peer_flag(j, kind, self.local) for j in self.peers]
 
-    @functools.lru_cache(maxsize=None)
     def local_flags(self, kind: int) -> list[int]:
         """Every node peer's word of ``kind`` in this rank's flags."""
         return [self.local_flag(kind, j) for j in self.peers]
@@ -101,7 +106,9 @@ class SymmetricMap:
         try:
             seg, offset = self.arena.find(ptr, nbytes)
         except ValueError:
-            raise ValueError(f"{name} is not inside the transport's arena; allocate it with landing_buffers()") from None
+            raise ValueError(
+                f"{name} is not inside the transport's arena; allocate it with landing_buffers()"
+            ) from None
         return [p + offset for p in seg.peer_ptrs]
 
     # -- reduce-scatter staging ------------------------------------------------------------------

@@ -28,7 +28,7 @@ class Streams:
     relay: object = None  # reduce-scatter: inbox arrivals and read credits between node peers
 
     @classmethod
-    def create(cls, dev, lanes: int, multi_node: bool) -> "Streams":
+    def create(cls, dev, lanes: int, multi_node: bool) -> Streams:
         def stream():
             return dev.stream(priority=-1)
 

@@ -8,7 +8,7 @@ host watchdog turns a stalled peer into ``PeerStallTimeout`` on every rank.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,11 +25,10 @@ from tide_core.transport.cuda.allgather import AllGatherRecorder
 from tide_core.transport.cuda.level1 import Level1Recorder
 from tide_core.transport.cuda.level2 import Level2Recorder
 from tide_core.transport.cuda.memory import SymmetricMap
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import ALL_GATHER, REDUCE_SCATTER, Call, Fault, Faults
 
-# TIDEConfig fields every rank of a group must share (chunking, slots, pieces, plans, rail).
-PROTOCOL_FIELDS = ("mode", "chunk_mib", "chunk_slots", "sum_slice_mib", "wave_width", "round_width", "rail")
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
 
@@ -37,7 +36,7 @@ RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wai
 class CudaWork:
     """Handle of a CUDA transport call. ``wait()`` makes the current stream wait (no host sync)."""
 
-    def __init__(self, transport: "CudaTransport", events: list):
+    def __init__(self, transport: CudaTransport, events: list[object]):
         self.transport = transport
         self.events = events
 
@@ -56,18 +55,29 @@ class CudaWork:
 class CudaTransport(Transport):
     name = "cuda"
 
-    def __init__(self, topology: Topology, group: dist.ProcessGroup | None = None, *, config=None,
-                 device: torch.device | None = None, backend=None, allocator=None, faults: Iterable[Fault] = (),
-                 single_host: bool = True):
-        """``single_host``: every rank of ``group`` runs on this machine (multi-node topologies are then
-        emulated over the ``p2p`` rail; across hosts the rail is ``nccl_rma``). ``faults``: protocol
-        violations injected into the recorded calls (tests; ``tide_core.transport.faults``)."""
-        from tide_core.config import TIDEConfig
-
+    def __init__(
+        self,
+        topology: Topology,
+        group: dist.ProcessGroup | None = None,
+        *,
+        options: CudaOptions | None = None,
+        device: torch.device | None = None,
+        backend=None,
+        allocator=None,
+        faults: Iterable[Fault] = (),
+        single_host: bool = True,
+    ):
+        """``backend``, ``allocator``: the device backend and symmetric allocator (default: this
+        process's CUDA device; tests pass an emulated one). ``single_host``: every rank of ``group``
+        runs on this machine (multi-node topologies are then emulated over the ``p2p`` rail; across
+        hosts the rail is ``nccl_rma``). ``faults``: protocol violations injected into the recorded
+        calls (tests; ``tide_core.transport.faults``)."""
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
+        if options is not None and not isinstance(options, CudaOptions):
+            raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
         self.topology = topology
-        self.config = config or TIDEConfig()
+        self.options = options = options or CudaOptions()
         self.groups = topology_groups(topology, group)
         self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local
         L = topology.gpus_per_node
@@ -78,7 +88,7 @@ class CudaTransport(Transport):
             from tide_core.runtime.symmetric import symmetric_allocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
-            backend = CudaDevice(device, sum_kernel=self.config.sum_kernel)
+            backend = CudaDevice(device, sum_kernel=options.sum_kernel)
             allocator = allocator or symmetric_allocator(self.groups.group, device)
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
@@ -86,47 +96,73 @@ class CudaTransport(Transport):
         self.faults = faults if isinstance(faults, Faults) else Faults(faults or ())
         # Ranks that size or pace the protocol differently would allocate different symmetric
         # segments and wait on flags nobody writes: abort on every rank now, naming the field.
-        check_agreement({f"config.{name}": getattr(self.config, name) for name in PROTOCOL_FIELDS},
-                        self.groups.group, "CudaTransport")
+        check_agreement(options.protocol(), self.groups.group, "CudaTransport")
 
-        pieces = piece_elems(self.config.sum_slice_bytes)
+        pieces = piece_elems(options.sum_slice_bytes)
         self.rail = None
         self.waves = None
         inbox = None
         if topology.nodes > 1:
-            # Slot-Reuse trades speed for memory here too: its outbox recycles blocks (Eq. 9).
-            self.waves = latin_square_plan(topology.nodes, L, self.config.wave_width, self.config.round_width,
-                                           memory_efficient=self.config.mode == "slot_reuse").validate()
+            self.waves = latin_square_plan(
+                topology.nodes, L, options.wave_width, options.round_width, memory_efficient=options.recycle_outbox
+            ).validate()
             if self.waves.wave_width - 1 > self.dev.max_sources:
-                raise TransportError(f"wave_width={self.waves.wave_width}: the sum kernel reads at most "
-                                     f"{self.dev.max_sources + 1} blocks per wave")
+                raise TransportError(
+                    f"wave_width={self.waves.wave_width}: the sum kernel reads at most "
+                    f"{self.dev.max_sources + 1} blocks per wave"
+                )
             inbox = inbox_plan(self.waves, self.dev.max_sources)
-        self.memory = SymmetricMap(self.arena, topology, self.rank, chunk_bytes=chunk_bytes(self.config.chunk_bytes),
-                                   piece_elems=pieces, chunk_slots=self.config.chunk_slots, inbox=inbox)
+        self.memory = SymmetricMap(
+            self.arena,
+            topology,
+            self.rank,
+            chunk_bytes=chunk_bytes(options.chunk_bytes),
+            piece_elems=pieces,
+            chunk_slots=options.chunk_slots,
+            inbox=inbox,
+        )
         if topology.nodes > 1:
             from tide_core.transport.rail import make_rail
 
-            self.rail = make_rail(self.config.rail, topology, self.rank, self.memory.rail_flags,
-                                  self.memory.rail_slots, single_host=single_host)
+            self.rail = make_rail(
+                options.rail,
+                topology,
+                self.rank,
+                self.memory.rail_flags,
+                self.memory.rail_slots,
+                single_host=single_host,
+            )
             self.name = f"cuda, {self.rail.name} rail"
         self.dev.synchronize()
         dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
 
-        self.streams = Streams.create(self.dev, self.config.copy_lanes, multi_node=self.rail is not None)
-        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, self.config)
-        self.level1 = Level1Recorder(self.memory, self.streams, self.config, pieces, self.dev.max_segments)
+        self.streams = Streams.create(self.dev, options.copy_lanes, multi_node=self.rail is not None)
+        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options)
+        self.level1 = Level1Recorder(self.memory, self.streams, options, pieces, self.dev.max_segments)
         self.level2 = None
         if self.rail is not None:
-            self.level2 = Level2Recorder(self.memory, self.streams, self.rail, self.waves, self.level1, self.config,
-                                         pieces)
+            self.level2 = Level2Recorder(self.memory, self.streams, self.rail, self.waves, self.level1, options, pieces)
         self.ag_epoch = 0
         self.rs_seq = 0
         self.rs_calls = 0
         self._agreed: set = set()
         self._programs: dict = {}
         self._checked: set = set()  # calls whose buffers were validated (and agreed on) once
-        self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall,
-                                 abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
+        self.watchdog = Watchdog(
+            self.dev.query,
+            options.timeout_s,
+            self._release_after_stall,
+            abort_after_s=options.timeout_s if options.abort_on_stall else None,
+        )
+
+    def describe(self) -> list[str]:
+        lines = super().describe()
+        if self.rail is not None:
+            lines.append(
+                f"{self.rail.name} rail; reduce-scatter Level 2 in {len(self.waves.waves)} Latin-square "
+                f"wave(s) of width {self.waves.wave_width}"
+            )
+        return lines
 
     # -- fail-stop ---------------------------------------------------------------------------------
     def _release_after_stall(self, what: str) -> None:
@@ -190,7 +226,7 @@ class CudaTransport(Transport):
         self._checked.add(key)
 
     # -- recorded programs --------------------------------------------------------------------------
-    def _replay(self, key, call: Call, record) -> list:
+    def _replay(self, key: tuple, call: Call, record: Callable[[ProgramRecorder], list[int]]) -> list[object]:
         """Replay the call's program (recorded by ``record(recorder)`` -> output events, once per
         ``key``) on the current stream; injected faults replay their edit of it."""
         program = self._programs.get(key)
@@ -212,30 +248,55 @@ class CudaTransport(Transport):
         self._programs[key] = program
 
     # -- collectives ----------------------------------------------------------------------------------
-    def all_gather(self, layout: GroupLayout, shards, outputs) -> CudaWork:
+    def all_gather(
+        self, layout: GroupLayout, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+    ) -> CudaWork:
         # Full checks (and the cross-rank agreement) run the first time a set of buffers is seen;
         # repeated calls on the same buffers, FSDP2's steady state, only pay for this key.
         key = ("ag", layout.signature(), self._buffers_key(shards), self._buffers_key(outputs))
         if key not in self._checked:
-            self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs, self.device),
-                           shards[0].dtype if shards else None)
+            self._prologue(
+                "all_gather",
+                layout,
+                lambda: validate_all_gather(layout, shards, outputs, self.device),
+                shards[0].dtype if shards else None,
+            )
             self._mark_checked(key)
         else:
             self._check_alive()
         self.ag_epoch += 1
         e = self.ag_epoch
-        (done,) = self._replay(key, Call(ALL_GATHER, e, e), lambda recorder: [
-            self.all_gather_recorder.record(recorder, e, layout, shards, outputs)])
+        (done,) = self._replay(
+            key,
+            Call(ALL_GATHER, e, e),
+            lambda recorder: [self.all_gather_recorder.record(recorder, e, layout, shards, outputs)],
+        )
         self.watchdog.track(done, f"rank {self.rank}: all_gather call {e}")
         return CudaWork(self, [done])
 
-    def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False) -> CudaWork:
-        key = ("rs", layout.signature(), self._buffers_key(grads),
-               (out.data_ptr(), out.numel(), out.dtype) if isinstance(out, torch.Tensor) else None, alpha, accumulate)
+    def reduce_scatter(
+        self,
+        layout: GroupLayout,
+        grads: Sequence[torch.Tensor],
+        out: torch.Tensor,
+        alpha: float = 1.0,
+        accumulate: bool = False,
+    ) -> CudaWork:
+        key = (
+            "rs",
+            layout.signature(),
+            self._buffers_key(grads),
+            (out.data_ptr(), out.numel(), out.dtype) if isinstance(out, torch.Tensor) else None,
+            alpha,
+            accumulate,
+        )
         if key not in self._checked:
-            self._prologue("reduce_scatter", layout,
-                           lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate, self.device),
-                           grads[0].dtype if grads else None)
+            self._prologue(
+                "reduce_scatter",
+                layout,
+                lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate, self.device),
+                grads[0].dtype if grads else None,
+            )
             self._mark_checked(key)
         else:
             self._check_alive()
@@ -250,8 +311,13 @@ class CudaTransport(Transport):
         self.rs_calls += 1
         # The recording depends on the first chunk's slot and, for the first calls only, on which
         # chunks have an earlier use of their slot to wait for; flag values are relative to base_seq.
-        program_key = (key, mem.staging_generation, mem.blocks_generation, base_seq % mem.n_slots,
-                       min(base_seq, mem.n_slots))
+        program_key = (
+            key,
+            mem.staging_generation,
+            mem.blocks_generation,
+            base_seq % mem.n_slots,
+            min(base_seq, mem.n_slots),
+        )
 
         def record(dev) -> list[int]:
             start = dev.record(dev.current_stream())

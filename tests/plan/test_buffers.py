@@ -5,12 +5,20 @@ from __future__ import annotations
 import pytest
 
 from tide_core.plan import latin_square_plan
+from tide_core.plan.allgather import num_rounds
 from tide_core.plan.buffers import (
+    AG_RAIL_KINDS,
+    FLAG_LINE,
+    RS_RAIL_KINDS,
+    ag_rail_slot,
     block_bytes,
-    chunk_bytes,
+    chunk_cap,
     chunk_elems,
+    flag_offset,
     inbox_plan,
     piece_elems,
+    rail_slots,
+    rs_rail_slot,
     staging_slot_bytes,
     staging_slot_offset,
 )
@@ -93,10 +101,21 @@ def test_staging_slots_tile_each_owners_staging_without_overlap():
 
 
 def test_chunk_and_block_sizes():
-    assert chunk_bytes(16 << 20) == 16 << 20 and chunk_bytes(1000) == 4096 and chunk_bytes(5000) == 4608
+    assert chunk_cap(16 << 20) == 16 << 20 and chunk_cap(1000) == 4096 and chunk_cap(5000) == 4608
     assert staging_slot_bytes(1, 16 << 20) == 4096 and staging_slot_bytes(4097, 16 << 20) == 8192
     assert staging_slot_bytes(100 << 20, 16 << 20) == 16 << 20
     assert chunk_elems(4096, 2) == 2048 and chunk_elems(4100, 4) == 1024
     assert piece_elems(0) == 0 and piece_elems(1024) == 256 and piece_elems(1500) == 256
     assert piece_elems(16 << 20) == 4 << 20
     assert block_bytes(1) == 512 and block_bytes(513) == 1024
+
+
+def test_signal_words_each_get_a_cache_line_and_rail_slots_never_collide():
+    for senders in (1, 2, 8):
+        offsets = [flag_offset(kind, sender, senders) for kind in range(9) for sender in range(senders)]
+        assert sorted(offsets) == [i * FLAG_LINE for i in range(9 * senders)]
+    for nodes in (2, 3, 5, 8, 17):
+        rounds = num_rounds(nodes)
+        slots = [ag_rail_slot(kind, d, nodes) for kind in range(AG_RAIL_KINDS) for d in range(rounds)]
+        slots += [rs_rail_slot(kind, nodes) for kind in range(RS_RAIL_KINDS)]
+        assert sorted(slots) == list(range(rail_slots(nodes)))

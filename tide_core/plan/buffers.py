@@ -7,21 +7,26 @@
   landing kernel, the running total.
 * The inbox plan: which block each remote contributor's partial lands in, when a block is
   reused within a call, and which contributors each landing kernel sums.
+* Signal words: one epoch counter per cache line, kind-major (word (kind, sender)); a rail's
+  slots are the all-gather's three kinds per Bruck round, then the reduce-scatter's two.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tide_core.plan.allgather import num_rounds
 from tide_core.plan.reducescatter import LatinSquarePlan
 
 STAGING_ALIGN = 4096  # bytes: staging chunk slots are a multiple of a page
 BLOCK_ALIGN = 512  # bytes: Level-2 blocks (16-byte vector loads, aligned copy descriptors)
 MIN_CHUNK_BYTES = 4096
 PIECE_ALIGN = 256  # fp32 output elements: a sum slice is a multiple of the kernel's tile
+FLAG_LINE = 64  # bytes per signal word: one epoch counter per cache line
+AG_RAIL_KINDS, RS_RAIL_KINDS = 3, 2  # rail signal kinds: all-gather data/ack/credit, reduce-scatter data/credit
 
 
-def chunk_bytes(configured: int) -> int:
+def chunk_cap(configured: int) -> int:
     """The chunk cap actually used: a multiple of 512 bytes, at least 4 KiB."""
     return max(MIN_CHUNK_BYTES, configured // 512 * 512)
 
@@ -31,9 +36,9 @@ def piece_elems(slice_bytes: int) -> int:
     return max(PIECE_ALIGN, slice_bytes // 4 // PIECE_ALIGN * PIECE_ALIGN) if slice_bytes else 0
 
 
-def staging_slot_bytes(needed: int, chunk_cap: int) -> int:
-    """One chunk slot: what one peer's rows need (``needed`` bytes), page-rounded, capped at ``chunk_cap``."""
-    return min(chunk_cap, -(-needed // STAGING_ALIGN) * STAGING_ALIGN)
+def staging_slot_bytes(needed: int, cap: int) -> int:
+    """One chunk slot: what one peer's rows need (``needed`` bytes), page-rounded, at most ``cap``."""
+    return min(cap, -(-needed // STAGING_ALIGN) * STAGING_ALIGN)
 
 
 def chunk_elems(slot_bytes: int, itemsize: int) -> int:
@@ -114,3 +119,23 @@ def inbox_plan(waves: LatinSquarePlan, max_sources: int) -> InboxPlan:
         landing = [list(w) for w in waves.waves]
     land_after = [(group[-1] - 1) // W + 1 for group in landing]  # after the Level 1 of the next wave
     return InboxPlan(M, waves.outbox_depth, len(users), index, use, next_use, first_use, landing, land_after)
+
+
+def flag_offset(kind: int, sender: int, senders: int) -> int:
+    """Byte offset of the word of ``kind`` written by ``sender`` (of ``senders``) in a flags segment."""
+    return FLAG_LINE * (kind * senders + sender)
+
+
+def ag_rail_slot(kind: int, round: int, nodes: int) -> int:
+    """Rail signal slot of all-gather kind ``kind`` (< AG_RAIL_KINDS) in Bruck round ``round``."""
+    return kind * num_rounds(nodes) + round
+
+
+def rs_rail_slot(kind: int, nodes: int) -> int:
+    """Rail signal slot of reduce-scatter kind ``kind`` (< RS_RAIL_KINDS), after the all-gather's."""
+    return AG_RAIL_KINDS * max(1, num_rounds(nodes)) + kind
+
+
+def rail_slots(nodes: int) -> int:
+    """Rail signal slots per sender node."""
+    return rs_rail_slot(RS_RAIL_KINDS, nodes)

@@ -35,8 +35,8 @@ import ctypes.util
 
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
+from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
-FLAG_LINE = 64  # one signal word per cache line
 RAILS = ("auto", "p2p", "nccl_rma")
 NCCL_RMA_MIN_VERSION = (2, 31, 0)
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
@@ -66,7 +66,7 @@ class P2PRail:
     def _word(self, slot: int, sender_node: int) -> int:
         if not 0 <= slot < self.slots:
             raise ValueError(f"signal slot {slot} outside [0, {self.slots})")
-        return FLAG_LINE * (slot * self.topology.nodes + sender_node)
+        return flag_offset(slot, sender_node, self.topology.nodes)
 
     def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None:
         base = window.peer_ptrs[self.peer_rank(node)]

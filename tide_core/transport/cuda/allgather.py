@@ -13,6 +13,7 @@ from the receive stage into every local GPU's landing.
 from __future__ import annotations
 
 from tide_core.plan import GroupLayout, allgather_plan, balance_lanes
+from tide_core.plan.buffers import ag_rail_slot
 from tide_core.transport.cuda.memory import (
     AG_DONE,
     AG_READY,
@@ -151,8 +152,8 @@ class AllGatherRecorder:
         stage = self.memory.ensure_ag_stage((topo.nodes - 1) * S)
         s_send, s_recv = self.streams.rail, self.streams.scatter
 
-        def slot(kind: int, d: int) -> int:  # one rail signal slot per kind per round
-            return kind * R + d
+        def slot(kind: int, d: int) -> int:
+            return ag_rail_slot(kind, d, topo.nodes)
 
         # Area d (stage slots [2^d, 2^d + c_d)) is read by round d's scatter and by the tail of any
         # later round that forwards more than 2^d slots.

@@ -12,12 +12,19 @@ by the generation. All ranks grow at the same call, so segment names stay symmet
 from __future__ import annotations
 
 from tide_core.plan import Topology, chunk_pieces
-from tide_core.plan.allgather import num_rounds
-from tide_core.plan.buffers import InboxPlan, block_bytes, staging_slot_bytes, staging_slot_offset
+from tide_core.plan.buffers import (
+    FLAG_LINE,
+    InboxPlan,
+    block_bytes,
+    flag_offset,
+    rail_slots,
+    rs_rail_slot,
+    staging_slot_bytes,
+    staging_slot_offset,
+)
 from tide_core.runtime.arena import Arena, Segment
 from tide_core.transport.rail import P2PRail
 
-FLAG_LINE = 64  # one epoch counter per cache line
 # Flag kinds, one word per local rank. RS_INBOX: "the inbox block you sum arrived" (holder to
 # summer); RS_READ: "I read the block you hold" (summer to holder); both for multi-node groups.
 # RS_ARRIVAL comes last: piece i of a chunk signals on kind RS_ARRIVAL + i.
@@ -53,8 +60,7 @@ class SymmetricMap:
         self.rail_flags: Segment | None = None
         self.rail_slots = 0
         if topology.nodes > 1:
-            self._rs_rail_slot0 = 3 * max(1, num_rounds(topology.nodes))  # after the all-gather's slots
-            self.rail_slots = self._rs_rail_slot0 + 2
+            self.rail_slots = rail_slots(topology.nodes)
             self.rail_flags = arena.segment("rail_flags", P2PRail.flag_bytes(topology, self.rail_slots))
             self.rail_flags.base.zero_()
         self.inbox = inbox
@@ -71,7 +77,7 @@ class SymmetricMap:
     # -- flags ---------------------------------------------------------------------------------
     # Node-local flags: word (kind, sender's local rank) in each GPU's flags segment.
     def _flag_offset(self, kind: int, local: int) -> int:
-        return FLAG_LINE * (kind * self.topology.gpus_per_node + local)
+        return flag_offset(kind, local, self.topology.gpus_per_node)
 
     def local_flag(self, kind: int, local: int) -> int:
         """Node peer ``local``'s word of ``kind`` in this rank's flags."""
@@ -98,7 +104,7 @@ class SymmetricMap:
         return words
 
     def rs_rail_slot(self, kind: int) -> int:
-        return self._rs_rail_slot0 + kind
+        return rs_rail_slot(kind, self.topology.nodes)
 
     # -- landings --------------------------------------------------------------------------------
     def peer_addresses(self, ptr: int, nbytes: int, name: str) -> list[int]:

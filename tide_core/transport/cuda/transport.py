@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tide_core.errors import TransportError
 from tide_core.plan import GroupLayout, Topology, latin_square_plan
-from tide_core.plan.buffers import chunk_bytes, chunk_elems, inbox_plan, piece_elems
+from tide_core.plan.buffers import chunk_cap, chunk_elems, inbox_plan, piece_elems
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
 from tide_core.runtime.program import ProgramRecorder, RecordedProgram
@@ -116,7 +116,7 @@ class CudaTransport(Transport):
             self.arena,
             topology,
             self.rank,
-            chunk_bytes=chunk_bytes(options.chunk_bytes),
+            chunk_bytes=chunk_cap(options.chunk_bytes),
             piece_elems=pieces,
             chunk_slots=options.chunk_slots,
             inbox=inbox,

@@ -152,7 +152,7 @@ def _fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
     finally:
         shut_down(dev, alloc)
     # faulted calls replay a compiled edit of their recording; the recording itself is cached as usual
-    outcome["edits"] = sum(len(program.variants) for program in t._programs.values())
+    outcome["edits"] = sum(len(program.variants) for program in t.programs.programs.values())
     return outcome
 
 
@@ -206,7 +206,7 @@ def _first_batches(rank, world_size, tag):
         # program keys: ("ag", ...) for all-gathers, (("rs", ...), ...) for reduce-scatters
         batches = {(key[0] if isinstance(key[0], str) else key[0][0]): [len(op[2]) for op in program.recording.ops
                                                                          if op[0] == "copy_batch"]
-                   for key, program in t._programs.items()}
+                   for key, program in t.programs.programs.items()}
         return batches, t.rs_seq
     finally:
         shut_down(dev, alloc)
@@ -306,7 +306,7 @@ def _steady_state(rank, world_size, tag):
             assert torch.equal(out, expect), step
         t.synchronize()
         assert not dev.errors, dev.errors
-        return len(t._programs), t.rs_seq
+        return len(t.programs), t.rs_seq
     finally:
         dev.close()
         alloc.cleanup()

@@ -112,6 +112,36 @@ class RecordedProgram:
         return self.variants[key]
 
 
+class ProgramCache:
+    """Recorded programs by key (a call's buffers and whatever else shapes its recording); past
+    ``limit`` the oldest is dropped (FSDP2 reuses a few buffer sets across steps)."""
+
+    def __init__(self, compile: Callable, limit: int):
+        self._compile, self.limit = compile, limit
+        self.programs: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.programs)
+
+    def replay(self, key, base: int, record: Callable[[ProgramRecorder], list[int]], stream, edit=None) -> list:
+        """Replay the program of ``key`` on ``stream`` with flag base ``base``; on first use
+        ``record(recorder)`` records it and returns its output events. ``edit(recording)`` ->
+        (labelled operations or None, base): an edit to replay instead, compiled once per distinct edit."""
+        program = self.programs.get(key)
+        if program is None:
+            recorder = ProgramRecorder(base=base)
+            program = RecordedProgram.compile(recorder, record(recorder), self._compile)
+            if len(self.programs) >= self.limit:
+                self.programs.pop(next(iter(self.programs)))
+            self.programs[key] = program
+        compiled = program.program
+        if edit is not None:
+            labelled, base = edit(program.recording)
+            if labelled is not None:
+                compiled = program.variant(labelled, self._compile)
+        return compiled.replay(stream, base)
+
+
 class ReplayedProgram:
     """A recording replayed through a device backend's own methods, one call per operation
     (the emulated device of the CPU tests; GPUs use the compiled ``tide_core._C.StreamProgram``)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Protocol
 
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
@@ -41,6 +42,18 @@ RAILS = ("auto", "p2p", "nccl_rma")
 NCCL_RMA_MIN_VERSION = (2, 31, 0)
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
+
+
+class Rail(Protocol):
+    """What the collectives use of a rail (see the module docstring)."""
+
+    name: str
+
+    def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None: ...
+
+    def signal(self, dev, stream, node: int, slot: int, value: int) -> None: ...
+
+    def wait(self, dev, stream, node: int, slot: int, value: int) -> None: ...
 
 
 class P2PRail:
@@ -121,7 +134,7 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
             "(see docs/multinode.md); use the reference transport across hosts")
 
 
-def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool):
+def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool) -> Rail:
     """The rail ``kind`` ("auto" | "p2p" | "nccl_rma"); TransportError says why one cannot serve."""
     if kind not in RAILS:
         raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")

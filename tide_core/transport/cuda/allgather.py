@@ -26,10 +26,11 @@ from tide_core.transport.cuda.memory import (
 from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams, place_local, push
 from tide_core.transport.faults import Site
+from tide_core.transport.rail import Rail
 
 
 class AllGatherRecorder:
-    def __init__(self, memory: SymmetricMap, streams: Streams, rail, options: CudaOptions):
+    def __init__(self, memory: SymmetricMap, streams: Streams, rail: Rail | None, options: CudaOptions):
         self.memory, self.streams, self.rail, self.options = memory, streams, rail, options
         self.topology, self.rank, self.local = memory.topology, memory.rank, memory.local
         self._plans: dict = {}

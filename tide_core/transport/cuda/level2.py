@@ -16,6 +16,7 @@ from tide_core.transport.cuda.memory import RS_INBOX, RS_RAIL_CREDIT, RS_RAIL_DA
 from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import Site
+from tide_core.transport.rail import Rail
 
 
 class Level2Recorder:
@@ -23,7 +24,7 @@ class Level2Recorder:
         self,
         memory: SymmetricMap,
         streams: Streams,
-        rail,
+        rail: Rail,
         waves: LatinSquarePlan,
         level1: Level1Recorder,
         options: CudaOptions,

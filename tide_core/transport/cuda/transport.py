@@ -18,7 +18,7 @@ from tide_core.plan import GroupLayout, Topology, latin_square_plan
 from tide_core.plan.buffers import chunk_cap, chunk_elems, inbox_plan, piece_elems
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import check_agreement, topology_groups
-from tide_core.runtime.program import ProgramRecorder, RecordedProgram
+from tide_core.runtime.program import ProgramCache, ProgramRecorder
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
 from tide_core.transport.cuda.allgather import AllGatherRecorder
@@ -146,7 +146,7 @@ class CudaTransport(Transport):
         self.rs_seq = 0
         self.rs_calls = 0
         self._agreed: set = set()
-        self._programs: dict = {}
+        self.programs = ProgramCache(self.dev.compile, MAX_PROGRAMS)
         self._checked: set = set()  # calls whose buffers were validated (and agreed on) once
         self.watchdog = Watchdog(
             self.dev.query,
@@ -227,25 +227,10 @@ class CudaTransport(Transport):
 
     # -- recorded programs --------------------------------------------------------------------------
     def _replay(self, key: tuple, call: Call, record: Callable[[ProgramRecorder], list[int]]) -> list[object]:
-        """Replay the call's program (recorded by ``record(recorder)`` -> output events, once per
-        ``key``) on the current stream; injected faults replay their edit of it."""
-        program = self._programs.get(key)
-        if program is None:
-            recorder = ProgramRecorder(base=call.base)
-            program = RecordedProgram.compile(recorder, record(recorder), self.dev.compile)
-            self._remember(key, program)
-        compiled, base = program.program, call.base
-        if self.faults:
-            edited, base = self.faults.apply(program.recording.labelled(), call)
-            if edited is not None:
-                compiled = program.variant(edited, self.dev.compile)
-        return compiled.replay(self.dev.current_stream(), base)
-
-    def _remember(self, key, program: RecordedProgram) -> None:
-        """Stream programs keyed by the call's buffers' addresses (FSDP2 reuses them across steps)."""
-        if len(self._programs) >= MAX_PROGRAMS:
-            self._programs.pop(next(iter(self._programs)))
-        self._programs[key] = program
+        """Replay the call's program (recorded by ``record`` once per ``key``) on the current stream;
+        injected faults replay their edit of it."""
+        edit = (lambda recording: self.faults.apply(recording.labelled(), call)) if self.faults else None
+        return self.programs.replay(key, call.base, record, self.dev.current_stream(), edit)
 
     # -- collectives ----------------------------------------------------------------------------------
     def all_gather(

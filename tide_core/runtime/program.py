@@ -16,8 +16,9 @@ through the same path (``RecordedProgram.variant``).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any
 
 CALLER = "caller stream"  # placeholder for the stream current at replay
 
@@ -79,7 +80,7 @@ class ProgramRecorder:
         """(site, op) per recorded operation, in order."""
         return list(zip(self.sites, self.ops))
 
-    def edited(self, labelled: list[tuple]) -> "ProgramRecorder":
+    def edited(self, labelled: list[tuple]) -> ProgramRecorder:
         """A recording of the same events and base holding ``labelled`` (site, op) pairs instead.
         An edit must keep every ``record`` operation: outputs and waits refer to their events."""
         sites, ops = (list(column) for column in zip(*labelled)) if labelled else ([], [])
@@ -100,7 +101,7 @@ class RecordedProgram:
     variants: dict = field(default_factory=dict)
 
     @classmethod
-    def compile(cls, recording: ProgramRecorder, outputs: list[int], compile: Callable) -> "RecordedProgram":
+    def compile(cls, recording: ProgramRecorder, outputs: list[int], compile: Callable) -> RecordedProgram:
         return cls(recording, outputs, compile(recording, outputs))
 
     def variant(self, labelled: list[tuple], compile: Callable):

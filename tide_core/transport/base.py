@@ -15,7 +15,7 @@ stream wait). Argument checks live here so both transports reject bad input the 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -152,5 +152,5 @@ class Transport(abc.ABC):
         where = "GPU(s)" if self.device.type == "cuda" else f"{self.device.type} process(es)"
         return [f"{self.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {where})"]
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release background resources (threads); buffers go with the transport."""

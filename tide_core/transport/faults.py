@@ -25,12 +25,16 @@ ALL_GATHER, REDUCE_SCATTER = "all_gather", "reduce_scatter"
 class Site(enum.Enum):
     """Labelled operations of a recorded call: where faults strike."""
 
+    AG_READY = "all-gather readiness signal to node peers, and the waits for it"
     AG_PUSH = "all-gather push to a node peer"
     AG_COMPLETION = "all-gather completion signal"  # "done e" and, multi-node, "scattered e" to node peers
     RS_CREDIT_WAIT = "reduce-scatter wait for a staging slot's credit"
     RS_PUSH = "reduce-scatter push into a staging slot"
-    RS_SUM = "reduce-scatter sum kernel"
+    RS_ARRIVAL = "reduce-scatter arrival signal of a staged piece, and the owner's wait for it"
+    RS_SUM = "reduce-scatter Level-1 sum kernel"
     RS_CREDIT = "reduce-scatter staging credit"
+    RS_INBOX = "reduce-scatter inbox-arrival relay to a node peer, and its wait"
+    RS_LANDING = "reduce-scatter Level-2 landing sum"
     RAIL_PUT = "rail put"
     RAIL_DATA = "rail data signal"
     RAIL_CREDIT_WAIT = "rail wait for a stage or inbox credit"

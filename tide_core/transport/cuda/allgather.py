@@ -47,7 +47,8 @@ class AllGatherRecorder:
         mem, st = self.memory, self.streams
         start = dev.record(dev.current_stream())
         dev.wait_event(st.ready, start)
-        dev.write_flags(st.ready, mem.peer_flags(AG_READY), e)
+        with dev.at(Site.AG_READY):
+            dev.write_flags(st.ready, mem.peer_flags(AG_READY), e)
         # The own shard's placement needs no peer: it starts at once on its own stream.
         dev.wait_event(st.local, start)
         self._place_local(dev, st.local, *local)
@@ -58,7 +59,8 @@ class AllGatherRecorder:
         for lane, (targets, dsts, srcs, sizes) in enumerate(lanes):
             stream = st.lanes[lane]
             dev.wait_event(stream, start)
-            dev.wait_flags(stream, [mem.local_flag(AG_READY, j) for j in targets], e)
+            with dev.at(Site.AG_READY):
+                dev.wait_flags(stream, [mem.local_flag(AG_READY, j) for j in targets], e)
             with dev.at(Site.AG_PUSH):
                 push(dev, stream, dsts, srcs, sizes, split_head=lane == 0)
             if lane:
@@ -163,7 +165,8 @@ class AllGatherRecorder:
         }
         dev.wait_event(s_send, start)
         dev.wait_event(s_recv, start)
-        dev.wait_flags(s_recv, self.memory.local_flags(AG_READY), e)  # scatters write every local landing
+        with dev.at(Site.AG_READY):
+            dev.wait_flags(s_recv, self.memory.local_flags(AG_READY), e)  # scatters write every local landing
         received, scattered = [], []
         for d in range(R):
             send, recv = plan.sends[d], plan.recvs[d]

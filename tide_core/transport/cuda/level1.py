@@ -73,13 +73,15 @@ class Level1Recorder:
                         [cp.length * itemsize for cp in copies],
                         split_head=k == 0 and i == 0,
                     )
-                dev.write_flags(st.push, mem.peer_flags(RS_ARRIVAL + i), q + 1)
+                with dev.at(Site.RS_ARRIVAL):
+                    dev.write_flags(st.push, mem.peer_flags(RS_ARRIVAL + i), q + 1)
             # Owner side: sum each piece once every peer's rows of it arrived, then return the
             # slot's credit.
             staged = [mem.staging_slot(me, j, slot) for j in step.order]
             for i, (_, launches) in enumerate(step.pieces[k]):
                 if mem.peers:
-                    dev.wait_flags(st.sum, mem.local_flags(RS_ARRIVAL + i), q + 1)
+                    with dev.at(Site.RS_ARRIVAL):
+                        dev.wait_flags(st.sum, mem.local_flags(RS_ARRIVAL + i), q + 1)
                 for first, count, segments in launches:
                     with dev.at(Site.RS_SUM):
                         dev.sum(

@@ -131,7 +131,8 @@ class Level2Recorder:
                 sent[c] = dev.record(st.rs_rail)
             for cc in (cc for cc in held if (cc - 1) // W == w):
                 rail.wait(dev, st.relay, sender(cc), data_slot, end)
-                dev.write_flags(st.relay, [mem.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
+                with dev.at(Site.RS_INBOX):
+                    dev.write_flags(st.relay, [mem.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
             for k, group in enumerate(inbox.landing):
                 if inbox.land_after[k] != w:
                     continue
@@ -142,21 +143,23 @@ class Level2Recorder:
                     if holder == u:
                         rail.wait(dev, st.sum, sender(cc), data_slot, end)
                     else:
-                        dev.wait_flags(st.sum, [mem.local_flag(RS_INBOX, holder)], base_seq + cc)
+                        with dev.at(Site.RS_INBOX):
+                            dev.wait_flags(st.sum, [mem.local_flag(RS_INBOX, holder)], base_seq + cc)
                 blocks = [mem.inbox_block(waves.inbox_gpu(u, cc), cc) for cc in group]
                 for lo, hi in chunk_pieces(E, self.piece_elems):  # slices (see sum_slice_mib)
-                    dev.sum(
-                        st.sum,
-                        out.data_ptr() if single else total,
-                        blocks[:-1],
-                        [(0, E, E, blocks[-1])],
-                        lo,
-                        hi - lo,
-                        float(alpha) if single else 1.0,
-                        bool(accumulate) if single else k > 0,
-                        torch.float32,
-                        sum_ctas,
-                    )
+                    with dev.at(Site.RS_LANDING):
+                        dev.sum(
+                            st.sum,
+                            out.data_ptr() if single else total,
+                            blocks[:-1],
+                            [(0, E, E, blocks[-1])],
+                            lo,
+                            hi - lo,
+                            float(alpha) if single else 1.0,
+                            bool(accumulate) if single else k > 0,
+                            torch.float32,
+                            sum_ctas,
+                        )
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
                     if cc == M:
@@ -174,16 +177,17 @@ class Level2Recorder:
         # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:
             for lo, hi in chunk_pieces(E, self.piece_elems):
-                dev.sum(
-                    st.sum,
-                    out.data_ptr(),
-                    [],
-                    [(0, E, E, total)],
-                    lo,
-                    hi - lo,
-                    float(alpha),
-                    bool(accumulate),
-                    torch.float32,
-                    sum_ctas,
-                )
+                with dev.at(Site.RS_LANDING):
+                    dev.sum(
+                        st.sum,
+                        out.data_ptr(),
+                        [],
+                        [(0, E, E, total)],
+                        lo,
+                        hi - lo,
+                        float(alpha),
+                        bool(accumulate),
+                        torch.float32,
+                        sum_ctas,
+                    )
         dev.wait_event(st.sum, dev.record(st.relay))

@@ -13,11 +13,9 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 MODES = ("in_place", "slot_reuse")
-TRANSPORTS = ("auto", "reference", "cuda")
-SUM_KERNELS = ("auto", "tma", "regs")
 #: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
 #: (setup_env, gpu).
-OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
+OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_GPU_OUT", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
                   "TIDE_AG_SWEEP", "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
 _warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about in this process
 
@@ -83,42 +81,19 @@ class TIDEConfig:
         self.validate()
 
     def validate(self) -> "TIDEConfig":
+        from tide_core.fsdp.options import cuda_options
+        from tide_core.transport import TRANSPORTS
+
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
-        if self.sum_kernel not in SUM_KERNELS:
-            raise ValueError(f"sum_kernel={self.sum_kernel!r} is not supported; "
-                             f"choose one of {', '.join(SUM_KERNELS)}")
-        positive = {"max_params": self.max_params, "sum_ctas": self.sum_ctas, "chunk_slots": self.chunk_slots,
-                    "copy_lanes": self.copy_lanes, "local_copy_ctas": self.local_copy_ctas, "round_width": self.round_width}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if self.rail not in ("auto", "p2p", "nccl_rma"):
-            raise ValueError(f"rail={self.rail!r} is not supported; choose one of auto, p2p, nccl_rma")
-        if not self.sum_slice_mib >= 0:
-            raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
-        if self.local_copy not in ("kernel", "ce"):
-            raise ValueError(f"local_copy={self.local_copy!r} is not supported; choose kernel or ce")
+        if not isinstance(self.max_params, int) or self.max_params < 1:
+            raise ValueError(f"max_params={self.max_params!r} must be an integer >= 1")
         if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
-        if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):
-            raise ValueError(f"wave_width={self.wave_width!r} must be an integer >= 1 or None")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
-        if not self.chunk_mib > 0:
-            raise ValueError(f"chunk_mib={self.chunk_mib!r} must be > 0")
+        cuda_options(self)  # the transport's options check themselves
         return self
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self.chunk_mib * (1 << 20))
-
-    @property
-    def sum_slice_bytes(self) -> int:
-        """0: no slicing; else a multiple of 1 KiB (at least 1 KiB)."""
-        return 0 if self.sum_slice_mib == 0 else max(1024, int(self.sum_slice_mib * (1 << 20)) // 1024 * 1024)
 
     @classmethod
     def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":

@@ -23,6 +23,7 @@ from tide_core.bench.common import default_results_dir, launch, write_result
 
 def _transport(world_size: int, nodes: int = 1, **overrides):
     from tide_core.config import TIDEConfig
+    from tide_core.fsdp.options import cuda_options
     from tide_core.plan import Topology
     from tide_core.transport import make_transport
 
@@ -30,8 +31,9 @@ def _transport(world_size: int, nodes: int = 1, **overrides):
 
     if world_size % nodes:
         raise SystemExit(f"--nodes {nodes} does not divide the {world_size} processes")
+    config = TIDEConfig.from_env(**overrides)
     return make_transport("auto", Topology(nodes, world_size // nodes), None, device=group_device(),
-                          config=TIDEConfig.from_env(**overrides))
+                          options=cuda_options(config), validate_calls=config.validate_calls)
 
 
 def _collectives_worker(rank, world_size, args):

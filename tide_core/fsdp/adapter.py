@@ -26,6 +26,7 @@ from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
 from tide_core.fsdp import compat
 from tide_core.fsdp.group import SlotRing, TideGroup
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
 from tide_core.runtime.groups import check_agreement
@@ -109,12 +110,8 @@ class TIDEHandle:
             f"{len(self.entries) - len(served)} on stock collectives",
         ]
         for t in self.transports.values():
-            topo = t.topology
-            device = "GPU(s)" if t.device.type == "cuda" else f"{t.device.type} process(es)"
-            lines.append(f"  transport: {t.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {device})")
-            if getattr(t, "rail", None) is not None:
-                lines.append(f"    {t.rail.name} rail; reduce-scatter Level 2 in {len(t.waves.waves)} Latin-square "
-                             f"wave(s) of width {t.waves.wave_width}")
+            summary, *details = t.describe()
+            lines += [f"  transport: {summary}"] + [f"    {line}" for line in details]
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
             status = f"TIDE, {e.served.placement}" if e.served else f"stock: {e.reason}"
@@ -332,7 +329,8 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         if key not in transports:
             try:
                 single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
-                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device, config=config,
+                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device,
+                                                 options=cuda_options(config), validate_calls=config.validate_calls,
                                                  single_host=single_host)
             except TIDEError as exc:
                 if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
@@ -345,7 +343,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                                     "collectives where the CUDA transport cannot serve)") from exc
                 entry.reason = f"transport unavailable: {exc}"
                 continue
-        group = TideGroup(handle, entry.index, entry.name, pg, transports[key], None, internals)
+        group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
         for fp in pg.fsdp_params:

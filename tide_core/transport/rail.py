@@ -32,14 +32,28 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Protocol
 
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
+from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
-FLAG_LINE = 64  # one signal word per cache line
+RAILS = ("auto", "p2p", "nccl_rma")
 NCCL_RMA_MIN_VERSION = (2, 31, 0)
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
+
+
+class Rail(Protocol):
+    """What the collectives use of a rail (see the module docstring)."""
+
+    name: str
+
+    def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None: ...
+
+    def signal(self, dev, stream, node: int, slot: int, value: int) -> None: ...
+
+    def wait(self, dev, stream, node: int, slot: int, value: int) -> None: ...
 
 
 class P2PRail:
@@ -65,7 +79,7 @@ class P2PRail:
     def _word(self, slot: int, sender_node: int) -> int:
         if not 0 <= slot < self.slots:
             raise ValueError(f"signal slot {slot} outside [0, {self.slots})")
-        return FLAG_LINE * (slot * self.topology.nodes + sender_node)
+        return flag_offset(slot, sender_node, self.topology.nodes)
 
     def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None:
         base = window.peer_ptrs[self.peer_rank(node)]
@@ -120,10 +134,10 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
             "(see docs/multinode.md); use the reference transport across hosts")
 
 
-def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool):
+def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool) -> Rail:
     """The rail ``kind`` ("auto" | "p2p" | "nccl_rma"); TransportError says why one cannot serve."""
-    if kind not in ("auto", "p2p", "nccl_rma"):
-        raise ValueError(f"rail={kind!r} is not supported; choose one of auto, p2p, nccl_rma")
+    if kind not in RAILS:
+        raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
     if kind in ("auto", "p2p") and single_host:
         return P2PRail(topology, rank, flags, slots)
     if kind == "p2p":

@@ -149,8 +149,8 @@ def _no_layout_copies(rank, world_size):
             opt.step()
         return {e.name for e in prof.events()}
 
-    layout_ops = {"fsdp::split_with_sizes_copy", "fsdp::chunk_cat", "aten::_chunk_cat", "aten::split_with_sizes_copy",
-                  "fsdp::all_gather_copy_in"}
+    layout_ops = {"fsdp::split_with_sizes_copy", "fsdp::chunk_cat", "fsdp::chunk_cat_mixed_dtype", "aten::_chunk_cat",
+                  "aten::split_with_sizes_copy", "fsdp::all_gather_copy_in"}
     stock_ops = op_names(build(mp=True)) & layout_ops
     model = build(mp=True)
     handle = tide_core.install(model, transport="reference")
@@ -169,7 +169,12 @@ def _no_layout_copies(rank, world_size):
 def test_served_groups_never_run_copy_out_or_chunk_cat():
     stock_ops, tide_ops, stable, inside, offsets_zero, report = run_distributed(_no_layout_copies, 2, timeout=120)[0]
     print("\n" + report)
-    assert {"fsdp::split_with_sizes_copy", "fsdp::chunk_cat"} <= set(stock_ops)  # the check can fail
+    # The check can fail: stock copies out and copies in (2.15 copies gradients in through
+    # fsdp::chunk_cat_mixed_dtype).
+    from tide_core.fsdp.compat import torch_version
+
+    grad_copy_in = "fsdp::chunk_cat_mixed_dtype" if torch_version() >= (2, 15) else "fsdp::chunk_cat"
+    assert {"fsdp::split_with_sizes_copy", grad_copy_in} <= set(stock_ops)
     assert tide_ops == []
     assert stable and inside and offsets_zero
     assert "ring slot 0" in report and "ring slot 1" in report and "dedicated landing" in report

@@ -62,14 +62,14 @@ class TideGroup:
         self.index = index
         self.name = name
         self.pg = param_group
-        self.fsdp_params = list(param_group.fsdp_params)
+        self.fsdp_params = compat.fsdp_params(param_group)
         self.transport = transport
         self.ring = ring
         self.internals = internals
-        self.device = param_group.device
+        self.device = compat.group_device(param_group)
         self.world_size = transport.topology.world_size
         self.ag_dtype = compat.all_gather_dtype(param_group)
-        shapes = [tuple(fp._orig_size) for fp in self.fsdp_params]
+        shapes = compat.param_shapes(self.fsdp_params)
         self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=self.ag_dtype.itemsize)
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None
@@ -106,14 +106,7 @@ class TideGroup:
             self.segment.tensor(self.layout.shard_offset(p) * N, self.layout.unsharded_numel(p), self.ag_dtype)
             for p in range(self.layout.num_params)
         ]
-        for fp, landing in zip(self.fsdp_params, self.landings):
-            if hasattr(fp, "_unsharded_param"):
-                # Installed after stock steps ran: drop the parameter built over FSDP2's own
-                # storage so init_unsharded_param rebuilds it over the landing.
-                del fp._unsharded_param
-            fp.all_gather_outputs = [landing]
-            fp.alloc_all_gather_outputs = _noop
-            fp.free_unsharded_param = self._released
+        compat.root_landings(self.fsdp_params, self.landings, self._released)
 
     def _released(self) -> None:
         """FSDPParam.free_unsharded_param for served parameters: a logical free of the slot."""
@@ -128,18 +121,12 @@ class TideGroup:
         """Give FSDP2 its own storage back (uninstall). Only between steps."""
         if self.live:
             raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
-        for fp in self.fsdp_params:
-            for attr in ("alloc_all_gather_outputs", "free_unsharded_param", "_tide_group"):
-                fp.__dict__.pop(attr, None)
-            if self.landings is not None:
-                fp.all_gather_outputs = []
-                if hasattr(fp, "_unsharded_param"):
-                    del fp._unsharded_param
+        compat.release_landings(self.fsdp_params, rooted=self.landings is not None)
+        compat.unmark_served(self.internals, self.pg)
         self.landings = None
 
     # -- all-gather ------------------------------------------------------------------------
     def all_gather(self, async_op, copy_in_stream, ag_stream):
-        C = self.internals.collectives_module
         if self.landings is None:
             self._bind()
         if self.slot is not None:
@@ -154,8 +141,7 @@ class TideGroup:
         self.live = True
         dh = self._device_handle
         with dh.stream(copy_in_stream):
-            inputs = C._get_param_all_gather_inputs(self.fsdp_params)  # FSDP2's fused cast under MP
-            shards = [ts[0] for ts in inputs]
+            shards = compat.all_gather_inputs(self.internals, self.fsdp_params)  # FSDP2's fused cast under MP
         if shards[0].dtype != self.ag_dtype:
             raise TIDEError(f"group {self.name}: FSDP2 all-gathers {shards[0].dtype} but TIDE planned {self.ag_dtype}")
         ag_stream.wait_stream(copy_in_stream)
@@ -175,11 +161,7 @@ class TideGroup:
             event = ag_stream.record_event()
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
-        marker = torch.empty(0, dtype=self.ag_dtype, device=self.device)
-        marker._tide_inputs = shards  # kept alive (stream-safely) by FSDP2 like its own flat buffer
-        numels = [[s.numel()] for s in shards]
-        return C.AllGatherResult(marker, event, None, [[self.ag_dtype]] * len(shards), numels,
-                                 [s.numel() for s in shards])
+        return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
 
     def _timing_start(self, stream):
         if not (self.handle.config.profile and self.device.type == "cuda"):
@@ -206,22 +188,11 @@ class TideGroup:
             pairs.clear()
         return totals
 
-    @staticmethod
-    def copy_out(all_gather_result) -> None:
-        """Nothing to copy: the shards already sit in the parameters' storage."""
-        event, work = all_gather_result.all_gather_event, all_gather_result.all_gather_work
-        output = all_gather_result.all_gather_output
-        if event is not None:
-            getattr(torch, output.device.type).current_stream().wait_event(event)
-        if isinstance(work, dist.distributed_c10d.Work):
-            work.wait()
-
     # -- reduce-scatter --------------------------------------------------------------------
     def divide(self, rs_group, ar_group, reduce_dtype, divide_factor, force_sum):
         """(alpha, all-reduce op): FSDP2's pre/post divide, AVG and PREMUL_SUM folded into alpha."""
-        C = self.internals.collectives_module
-        pre, post, rs_op, ar_op = C._get_gradient_divide_factors(
-            rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
+        pre, post, rs_op, ar_op = compat.gradient_divide_factors(
+            self.internals, rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
         )
         if pre is not None or post is not None:
             return 1.0 / ((pre or 1) * (post or 1)), ar_op
@@ -237,21 +208,8 @@ class TideGroup:
         """The packed fp32 buffer all existing sharded grads are views of, in layout order, or None."""
         if orig_dtype not in (None, torch.float32):
             return None
-        base = None
-        for p, fp in enumerate(fsdp_params):
-            grad = fp.sharded_param.grad
-            if grad is None or fp.offload_to_cpu:
-                return None
-            local = getattr(grad, "_local_tensor", None)
-            b = getattr(local, "_base", None)
-            if b is None or (base is not None and b is not base):
-                return None
-            if local.storage_offset() != layout.shard_elem_offset(p) + b.storage_offset():
-                return None
-            base = b
-        if base is None or base.dtype != torch.float32 or base.dim() != 1 or base.numel() != layout.total_shard_numel:
-            return None
-        return base
+        offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
+        return compat.packed_sharded_grad_base(fsdp_params, offsets, layout.total_shard_numel)
 
     def reduce(self, fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, reduce_dtype, device,
                divide_factor, ar_group, ar_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
@@ -260,10 +218,10 @@ class TideGroup:
         grads = list(unsharded_grads)
         unsharded_grads.clear()
         reduce_dtype = reduce_dtype or grads[0].dtype
-        if len(fsdp_params) == len(self.fsdp_params):
+        if list(fsdp_params) == self.fsdp_params:
             layout = self.layout
-        else:  # parameters without gradients this step are skipped, as FSDP2 does
-            layout = GroupLayout.from_shapes([tuple(fp._orig_size) for fp in fsdp_params], world_size=self.world_size)
+        else:  # parameters without gradients this step are skipped (2.15: or reordered by dtype), as FSDP2 does
+            layout = GroupLayout.from_shapes(compat.param_shapes(fsdp_params), world_size=self.world_size)
         alpha, ar_op = self.divide(rs_group, ar_group, reduce_dtype, divide_factor, force_sum)
         current = dh.current_stream()
 
@@ -322,30 +280,17 @@ class TideGroup:
             ar_stream.wait_stream(rs_stream)
             with dh.stream(ar_stream):
                 all_reduce_hook(reduce_output)
+                if self.internals.profile.hook_output_held:
+                    # 2.15: FSDP2 holds the hook's input across layers, like the HSDP all-reduce buffer.
+                    all_reduce_input, all_reduce_event = reduce_output, ar_stream.record_event()
 
         with dh.stream(post_stream):
-            if fused is None:
-                if orig_dtype is not None and reduce_output.dtype != orig_dtype:
-                    reduce_output = reduce_output.to(orig_dtype)
-                for p, fp in enumerate(fsdp_params):
-                    new_grad = torch.as_strided(reduce_output, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
-                                                storage_offset=layout.shard_elem_offset(p))
-                    if fp.sharded_param.grad is not None:
-                        fp.sharded_param.grad._local_tensor += new_grad
-                    else:
-                        fp.sharded_param.grad = fp.to_sharded_dtensor(new_grad)
-            for fp in fsdp_params:
-                for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
-                    hook(fp.sharded_param)
+            offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
+            compat.set_sharded_grads(fsdp_params, reduce_output, offsets, orig_dtype, accumulated=fused is not None)
             post_reduce_event = post_stream.record_event()
         return self._result(_ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input,
                             all_reduce_event, None)
 
     def _result(self, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial):
-        if self.internals.reduce_returns_stream:
-            return hold, rs_event, post_stream, post_event, ar_input, ar_event, partial
-        return hold, rs_event, post_event, ar_input, ar_event, partial
-
-
-def _noop() -> None:
-    """FSDPParam.alloc_all_gather_outputs for served parameters: the landing is always there."""
+        return compat.reduce_result(self.internals, hold, rs_event, post_stream, post_event, ar_input, ar_event,
+                                    partial)

@@ -282,7 +282,12 @@ class TideGroup:
             torch._foreach_copy_(sources, grads)
             grads = None
             self.stats["slot_sources"] += 1
-        fused = self._fused_output(fsdp_params, layout, orig_dtype)
+        # Accumulating straight into the existing sharded gradient only matches FSDP2 when the
+        # reduce-scatter output is the final gradient: under HSDP it first goes to the replica
+        # all-reduce (or the partial-reduce buffer), and an all-reduce hook sees this step's sum.
+        fused = None
+        if ar_group is None and all_reduce_hook is None:
+            fused = self._fused_output(fsdp_params, layout, orig_dtype)
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
             out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)

@@ -90,7 +90,9 @@ class TideGroup:
         """Choose the landing at the group's first all-gather (execution order) and root FSDP2's
         all-gather outputs there. Only done while sharded, before any unsharded parameter exists
         over the new storage."""
-        if self.ring is not None:
+        # A group kept unsharded after backward (set_reshard_after_backward(False)) would hold its
+        # ring slot while the next groups gather into it: it gets a dedicated landing.
+        if self.ring is not None and getattr(self.pg, "reshard_after_backward", True):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
             if free:
@@ -271,6 +273,7 @@ class TideGroup:
         slot_source = (
             self.handle.config.mode == "slot_reuse"
             and self.landings is not None
+            and not self.live  # resharded: the landing is vacated (not so with reshard_after_backward=False)
             and layout is self.layout
             and grads[0].dtype == self.ag_dtype
         )

@@ -126,8 +126,16 @@ class TideGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def _gather_dropped(self) -> bool:
+        """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited
+        for, cleared at the end of backward): the landing holds nothing, and no free follows."""
+        return (self.live and not getattr(self.pg, "is_unsharded", True)
+                and getattr(self.pg, "_all_gather_result", True) is None)
+
     def unbind(self) -> None:
         """Give FSDP2 its own storage back (uninstall). Only between steps."""
+        if self._gather_dropped():
+            self._released()
         if self.live:
             raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
         for fp in self.fsdp_params:
@@ -146,6 +154,9 @@ class TideGroup:
             self._bind()
         if self.slot is not None:
             holder = self.ring.occupant[self.slot]
+            if holder is not None and holder is not self and holder._gather_dropped():
+                holder._released()
+                holder = None
             if holder is not None and holder is not self:
                 raise SlotConflictError(
                     f"TIDE ring slot {self.slot} is still held by group {holder.name} while group {self.name} "

@@ -291,9 +291,13 @@ class TideGroup:
         if slot_source:
             # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
             # drop autograd's storage at once (stream-ordered: later compute-stream allocations
-            # run after the copy); the slot's next all-gather waits for the read.
+            # run after the copy); the slot's next all-gather waits for the read. Autograd may
+            # still hold the unsharded parameters built over the landing (a group's modules
+            # backpropagated in several passes); like the all-gather, the copy keeps their
+            # version counter, because FSDP2 re-gathers the group before they are read again.
             sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
-            torch._foreach_copy_(sources, grads)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
+                torch._foreach_copy_(sources, grads)
             grads = None
             self.stats["slot_sources"] += 1
         # Accumulating straight into the existing sharded gradient only matches FSDP2 when the

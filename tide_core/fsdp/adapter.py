@@ -229,6 +229,14 @@ def _ring_eligible(pg, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool
     return has_parent and not has_child
 
 
+def _reduce_dtype(pg) -> torch.dtype:
+    """The dtype stock FSDP2 reduce-scatters this group's gradients in: MixedPrecisionPolicy's
+    reduce_dtype, else the gradients' own dtype (param_dtype, else the parameters')."""
+    policy = getattr(pg, "mp_policy", None)
+    grad_dtype = getattr(policy, "param_dtype", None) or pg.fsdp_params[0].sharded_param.dtype
+    return getattr(policy, "reduce_dtype", None) or grad_dtype
+
+
 def _ineligible(pg, config: TIDEConfig) -> str | None:
     """Why a group cannot be served (None: it can)."""
     params = pg.fsdp_params
@@ -252,6 +260,10 @@ def _ineligible(pg, config: TIDEConfig) -> str | None:
     dtype = compat.all_gather_dtype(pg)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"unsupported dtype {dtype}"
+    reduce_dtype = _reduce_dtype(pg)
+    if reduce_dtype != torch.float32 and not config.fp32_reduce:
+        return (f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
+                "serve it with fp32 sums)")
     if getattr(pg, "_use_post_forward_mesh", False):
         return "reshard_after_forward=int (post-forward mesh) is served by stock collectives"
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter

@@ -155,6 +155,10 @@ def _ineligible(pg, config: TIDEConfig) -> str | None:
     dtype = compat.all_gather_dtype(pg)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"unsupported dtype {dtype}"
+    reduce_dtype = compat.reduce_dtype(pg)
+    if reduce_dtype != torch.float32 and not config.fp32_reduce:
+        return (f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
+                "serve it with fp32 sums)")
     if compat.shard_process_group(pg).size() == 1:
         return "shard group has one rank: nothing to gather"
     return None

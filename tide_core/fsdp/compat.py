@@ -54,7 +54,8 @@ FSDP_PARAM_ATTRIBUTES = ("all_gather_outputs", "_sharded_param_data", "padded_sh
 #: FSDPParamGroup attributes TIDE reads (after ``fully_shard``, before lazy init).
 FSDP_PARAM_GROUP_ATTRIBUTES = ("fsdp_params", "device", "post_forward_mesh_info", "_all_gather_comm",
                                "_reduce_scatter_comm", "_all_gather_process_group", "_reduce_scatter_process_group",
-                               "_use_post_forward_mesh")
+                               "_use_post_forward_mesh", "reshard_after_backward", "is_unsharded",
+                               "_all_gather_result")
 #: FSDP2 collectives helpers TIDE calls.
 COLLECTIVES_HELPERS = ("AllGatherResult", "_get_param_all_gather_inputs", "_get_gradient_divide_factors",
                        "DefaultAllGather", "DefaultReduceScatter")
@@ -75,6 +76,9 @@ class TorchProfile:
     #: ``foreach_reduce`` casts reduced gradients to ``orig_dtype`` (<= 2.14) instead of each
     #: parameter's ``sharded_grad_dtype`` (2.15).
     reduce_casts_to_orig_dtype: bool
+    #: ``reduce_dtype=None`` reduces in ``param_dtype`` (<= 2.14) instead of the parameter's
+    #: ``grad_dtype`` (2.15: unset means the parameter's own dtype).
+    reduce_dtype_defaults_to_param_dtype: bool
     #: ``foreach_reduce`` returns the reduce-scatter output as ``all_reduce_input`` when an
     #: all-reduce hook ran without HSDP, so the group holds it across layers (2.15).
     hook_output_held: bool
@@ -89,7 +93,8 @@ def _profile(version: tuple[int, int]) -> TorchProfile:
     if before_2_15:
         patched["foreach_all_gather_copy_out"] = _COPY_OUT
     return TorchProfile(patched=patched, copy_out_hook=not before_2_15, reduce_returns_stream=version >= (2, 13),
-                        reduce_casts_to_orig_dtype=before_2_15, hook_output_held=not before_2_15,
+                        reduce_casts_to_orig_dtype=before_2_15, reduce_dtype_defaults_to_param_dtype=before_2_15,
+                        hook_output_held=not before_2_15,
                         single_param_group=version == (2, 11))
 
 
@@ -214,6 +219,31 @@ def _param_all_gather_dtype(fp) -> "torch.dtype":
 def all_gather_dtype(param_group) -> "torch.dtype":
     """The dtype a group is all-gathered in (its first parameter's; ``ineligible`` checks they agree)."""
     return _param_all_gather_dtype(param_group.fsdp_params[0])
+
+
+def reduce_dtype(param_group) -> "torch.dtype":
+    """The dtype stock FSDP2 reduce-scatters this group's gradients in: MixedPrecisionPolicy's
+    reduce_dtype, else up to 2.14 the gradients' dtype (param_dtype, else the parameters'), and
+    since 2.15 the parameter's grad_dtype (unset: the parameter's own dtype; None: the gradient's)."""
+    fp = param_group.fsdp_params[0]
+    if fp.mp_policy.reduce_dtype is not None:
+        return fp.mp_policy.reduce_dtype
+    profile = PROFILES.get(torch_version())
+    if profile is None or profile.reduce_dtype_defaults_to_param_dtype:
+        return _param_all_gather_dtype(fp)
+    if getattr(fp, "_has_sharded_grad_dtype_override", False):
+        return fp.sharded_grad_dtype or _param_all_gather_dtype(fp)
+    return fp.sharded_param.dtype
+
+
+def reshards_after_backward(param_group) -> bool:
+    return param_group.reshard_after_backward
+
+
+def all_gather_dropped(param_group) -> bool:
+    """FSDP2 discarded the group's pending all-gather without unsharding (a prefetch nobody waited
+    for, cleared at the end of backward)."""
+    return not param_group.is_unsharded and param_group._all_gather_result is None
 
 
 def group_device(param_group) -> torch.device:

@@ -90,7 +90,9 @@ class TideGroup:
         """Choose the landing at the group's first all-gather (execution order) and root FSDP2's
         all-gather outputs there. Only done while sharded, before any unsharded parameter exists
         over the new storage."""
-        if self.ring is not None:
+        # A group kept unsharded after backward (set_reshard_after_backward(False)) would hold its
+        # ring slot while the next groups gather into it: it gets a dedicated landing.
+        if self.ring is not None and compat.reshards_after_backward(self.pg):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
             if free:
@@ -117,8 +119,15 @@ class TideGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def _gather_dropped(self) -> bool:
+        """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited
+        for, cleared at the end of backward): the landing holds nothing, and no free follows."""
+        return self.live and compat.all_gather_dropped(self.pg)
+
     def unbind(self) -> None:
         """Give FSDP2 its own storage back (uninstall). Only between steps."""
+        if self._gather_dropped():
+            self._released()
         if self.live:
             raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
         compat.release_landings(self.fsdp_params, rooted=self.landings is not None)
@@ -131,6 +140,9 @@ class TideGroup:
             self._bind()
         if self.slot is not None:
             holder = self.ring.occupant[self.slot]
+            if holder is not None and holder is not self and holder._gather_dropped():
+                holder._released()
+                holder = None
             if holder is not None and holder is not self:
                 raise SlotConflictError(
                     f"TIDE ring slot {self.slot} is still held by group {holder.name} while group {self.name} "
@@ -229,18 +241,28 @@ class TideGroup:
         slot_source = (
             self.handle.config.mode == "slot_reuse"
             and self.landings is not None
+            and not self.live  # resharded: the landing is vacated (not so with reshard_after_backward=False)
             and layout is self.layout
             and grads[0].dtype == self.ag_dtype
         )
         if slot_source:
             # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
             # drop autograd's storage at once (stream-ordered: later compute-stream allocations
-            # run after the copy); the slot's next all-gather waits for the read.
+            # run after the copy); the slot's next all-gather waits for the read. Autograd may
+            # still hold the unsharded parameters built over the landing (a group's modules
+            # backpropagated in several passes); like the all-gather, the copy keeps their
+            # version counter, because FSDP2 re-gathers the group before they are read again.
             sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
-            torch._foreach_copy_(sources, grads)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
+                torch._foreach_copy_(sources, grads)
             grads = None
             self.stats["slot_sources"] += 1
-        fused = self._fused_output(fsdp_params, layout, orig_dtype)
+        # Accumulating straight into the existing sharded gradient only matches FSDP2 when the
+        # reduce-scatter output is the final gradient: under HSDP it first goes to the replica
+        # all-reduce (or the partial-reduce buffer), and an all-reduce hook sees this step's sum.
+        fused = None
+        if ar_group is None and all_reduce_hook is None:
+            fused = self._fused_output(fsdp_params, layout, orig_dtype)
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
             out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)

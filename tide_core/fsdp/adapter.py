@@ -237,23 +237,24 @@ def _reduce_dtype(pg) -> torch.dtype:
     return getattr(policy, "reduce_dtype", None) or grad_dtype
 
 
-def _ineligible(pg, config: TIDEConfig) -> str | None:
-    """Why a group cannot be served (None: it can)."""
+def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
+    """Why a group cannot be served (None: it can). ``names``: id(sharded parameter) -> its name."""
     params = pg.fsdp_params
     if len(params) > config.max_params:
         return f"{len(params)} parameters > max_params={config.max_params}"
     for fp in params:
+        name = names.get(id(fp.sharded_param), "?")
         missing = [a for a in compat.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
         if missing:
             return f"unknown torch internal: FSDPParam lacks {missing}"
         if fp.fsdp_placement.dim != 0:
-            return f"parameter {fp._param_fqn} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
+            return f"parameter {name} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
         if fp.offload_to_cpu:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"parameter {fp._param_fqn} uses an all-gather extension (fsdp_pre_all_gather)"
+            return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
         if getattr(fp, "_unsharded_dtensor_spec", None) is not None or getattr(fp, "_tp_spec", None) is not None:
-            return f"parameter {fp._param_fqn} is also tensor-parallel (2-D DTensor)"
+            return f"parameter {name} is also tensor-parallel (a DTensor on a 2-D+ mesh)"
     dtypes = {fp.sharded_param.dtype for fp in params}
     if len(dtypes) != 1:
         return f"mixed parameter dtypes {sorted(map(str, dtypes))}"
@@ -313,11 +314,12 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     fsdp_modules = [m for _, _, m in found]
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
     for index, (name, pg, module) in enumerate(found):
         dtype = compat.all_gather_dtype(pg)
         shard_bytes = sum(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params) * dtype.itemsize
-        reason = unsupported or _ineligible(pg, config)
+        reason = unsupported or _ineligible(pg, config, names)
         topo = None
         if reason is None:
             topo, reason = _topology(pg._all_gather_process_group, config, hosts)
@@ -325,10 +327,13 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                                   None, reason))
         plans.append((pg, topo, config.ring and _ring_eligible(pg, module, fsdp_modules)))
 
+    # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
+    # different local shapes, and their groups fall back (the reason must agree).
     description = {
         "torch": torch.__version__,
         **{f"config.{k}": v for k, v in config.describe().items()},
-        **{f"group {e.index} ({e.name})": (e.num_params, e.shard_bytes, e.dtype, e.reason) for e in entries},
+        **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
+           for e in entries},
     }
     check_agreement(description, None, "tide_core.install")
 

@@ -642,3 +642,37 @@ def test_tensor_parallel_groups_fall_back_on_a_3d_mesh():
     _assert_exact(result, "HSDP x TP (3-D)", served=1)
     for r in result["HSDP x TP (3-D)"].values():
         assert len(r["reasons"]) == 2 and all("tensor-parallel" in why for why in r["reasons"].values())
+
+
+def _slot_conflicts(rank, world_size):
+    """Messages of the two ways FSDP2 can keep more ring groups unsharded than the ring has slots."""
+    import tide_core
+    from tide_core.fsdp.group import SlotConflictError
+
+    messages = {}
+    for cause in ("reshard toggled off", "explicit prefetch"):
+        model = _tiny_lm()
+        tide_core.install(model, mode="in_place", transport="reference")
+        tokens = _tokens(rank, 2)
+        loss_fn(model, tokens[0]).backward()  # landings placed: blocks alternate the two ring slots
+        if cause == "explicit prefetch":
+            blocks = list(model.blocks)
+            for i, block in enumerate(blocks[:-2]):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        else:
+            for block in model.blocks:
+                block.set_reshard_after_forward(False)
+        try:
+            loss_fn(model, tokens[1]).backward()
+            messages[cause] = "no error"
+        except SlotConflictError as exc:
+            messages[cause] = str(exc)
+    return messages
+
+
+def test_slot_conflict_names_its_cause():
+    messages = run_distributed(_slot_conflicts, 2, timeout=120)[0]
+    assert "explicit prefetch" in messages["explicit prefetch"], messages
+    toggled = messages["reshard toggled off"]
+    assert "stayed unsharded" in toggled and "explicit prefetch" not in toggled, messages
+    assert all("TIDE_RING=0" in m for m in messages.values()), messages

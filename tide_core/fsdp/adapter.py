@@ -220,9 +220,10 @@ def _fsdp_groups(model: nn.Module) -> list[tuple[str, object, nn.Module]]:
 
 def _ring_eligible(pg, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool:
     """Leaf groups that reshard after forward share the 2-slot ring. Roots (live through the whole
-    step), groups with FSDP2 children (live while their children run) and groups kept unsharded
-    after forward get dedicated landings."""
-    if getattr(pg, "post_forward_mesh_info", None) is None:
+    step), groups with FSDP2 children (live while their children run), groups of several modules
+    (``fully_shard([a, b])``: live from a's forward to b's, e.g. tied embedding and output around
+    every layer) and groups kept unsharded after forward get dedicated landings."""
+    if getattr(pg, "post_forward_mesh_info", None) is None or len(getattr(pg, "modules", ())) > 1:
         return False
     has_child = any(other is not module and any(m is other for m in module.modules()) for other in fsdp_modules)
     has_parent = any(other is not module and any(m is module for m in other.modules()) for other in fsdp_modules)

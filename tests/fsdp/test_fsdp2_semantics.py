@@ -454,14 +454,17 @@ def _unannotated_foreach_reduce_wrapper(mode, rank):
 
 def _tensor_parallel_mlp(tp_mesh, dp_mesh, reshard=True):
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     torch.manual_seed(0)
-    # 5 x 3 = 15 hidden units: tensor-parallel ranks hold 8 and 7 rows, so shard bytes differ.
-    model = nn.Sequential(nn.LayerNorm(5), MLP(5, 3), MLP(5, 3))
-    for mlp in model[1:]:
-        parallelize_module(mlp, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        fully_shard(mlp, mesh=dp_mesh, reshard_after_forward=reshard)
+    # The output layer's 9 rows split 5 + 4 over tensor-parallel ranks, 3 + 3 and 2 + 2 over data-parallel
+    # ranks: shard bytes differ between tensor-parallel ranks.
+    model = nn.Sequential(nn.LayerNorm(6), MLP(6, 2), nn.Linear(6, 9))
+    parallelize_module(model[1], tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    parallelize_module(model[2], tp_mesh, ColwiseParallel(output_layouts=Replicate()))
+    for module in model[1:]:
+        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
     return model
 
@@ -477,7 +480,7 @@ def _tensor_parallel(mode, rank, *, mesh_shape: tuple, names: tuple):
     opt = _opt(model)
     gen = torch.Generator().manual_seed(100 + rank // mesh_shape[-1])  # same input on a TP group
     for step in range(3):
-        loss = model(torch.randn(4, 5, generator=gen)).sum()
+        loss = model(torch.randn(4, 6, generator=gen)).square().mean()
         loss.backward()
         rec.loss(loss)
         rec.step()
@@ -639,3 +642,37 @@ def test_tensor_parallel_groups_fall_back_on_a_3d_mesh():
     _assert_exact(result, "HSDP x TP (3-D)", served=1)
     for r in result["HSDP x TP (3-D)"].values():
         assert len(r["reasons"]) == 2 and all("tensor-parallel" in why for why in r["reasons"].values())
+
+
+def _slot_conflicts(rank, world_size):
+    """Messages of the two ways FSDP2 can keep more ring groups unsharded than the ring has slots."""
+    import tide_core
+    from tide_core.fsdp.group import SlotConflictError
+
+    messages = {}
+    for cause in ("reshard toggled off", "explicit prefetch"):
+        model = _tiny_lm()
+        tide_core.install(model, mode="in_place", transport="reference")
+        tokens = _tokens(rank, 2)
+        loss_fn(model, tokens[0]).backward()  # landings placed: blocks alternate the two ring slots
+        if cause == "explicit prefetch":
+            blocks = list(model.blocks)
+            for i, block in enumerate(blocks[:-2]):
+                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        else:
+            for block in model.blocks:
+                block.set_reshard_after_forward(False)
+        try:
+            loss_fn(model, tokens[1]).backward()
+            messages[cause] = "no error"
+        except SlotConflictError as exc:
+            messages[cause] = str(exc)
+    return messages
+
+
+def test_slot_conflict_names_its_cause():
+    messages = run_distributed(_slot_conflicts, 2, timeout=120)[0]
+    assert "explicit prefetch" in messages["explicit prefetch"], messages
+    toggled = messages["reshard toggled off"]
+    assert "stayed unsharded" in toggled and "explicit prefetch" not in toggled, messages
+    assert all("TIDE_RING=0" in m for m in messages.values()), messages

@@ -117,7 +117,8 @@ def _group_attributes(rank, world_size):
         missing += [f"{name}: group.{a}" for a in compat.FSDP_PARAM_GROUP_ATTRIBUTES if not hasattr(pg, a)]
         for fp in pg.fsdp_params:
             missing += [f"{name}: param.{a}" for a in compat.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
-    reasons = {name: compat.ineligible(pg) for name, pg, _ in found}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    reasons = {name: compat.ineligible(pg, names) for name, pg, _ in found}
     hooks = {name: getattr(pg, "_all_gather_output_fn", None) for name, pg, _ in found}
     return len(found), missing, reasons, {k: getattr(v, "__name__", None) for k, v in hooks.items()}
 

@@ -135,21 +135,22 @@ class TIDEHandle:
 
 def _ring_eligible(pg, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool:
     """Leaf groups that reshard after forward share the 2-slot ring. Roots (live through the whole
-    step), groups with FSDP2 children (live while their children run) and groups kept unsharded
-    after forward get dedicated landings."""
-    if not compat.reshards_after_forward(pg):
+    step), groups with FSDP2 children (live while their children run), groups of several modules
+    (``fully_shard([a, b])``: live from a's forward to b's, e.g. tied embedding and output around
+    every layer) and groups kept unsharded after forward get dedicated landings."""
+    if not compat.reshards_after_forward(pg) or compat.module_count(pg) > 1:
         return False
     has_child = any(other is not module and any(m is other for m in module.modules()) for other in fsdp_modules)
     has_parent = any(other is not module and any(m is module for m in other.modules()) for other in fsdp_modules)
     return has_parent and not has_child
 
 
-def _ineligible(pg, config: TIDEConfig) -> str | None:
-    """Why a group cannot be served (None: it can)."""
+def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
+    """Why a group cannot be served (None: it can). ``names``: id(sharded parameter) -> its name."""
     num_params = len(compat.fsdp_params(pg))
     if num_params > config.max_params:
         return f"{num_params} parameters > max_params={config.max_params}"
-    reason = compat.ineligible(pg)
+    reason = compat.ineligible(pg, names)
     if reason is not None:
         return reason
     dtype = compat.all_gather_dtype(pg)
@@ -200,11 +201,12 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     hosts: list = [None] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())
     fsdp_modules = [m for _, _, m in found]
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
     for index, (name, pg, module) in enumerate(found):
         dtype = compat.all_gather_dtype(pg)
         shard_bytes = compat.padded_shard_numel(pg) * dtype.itemsize
-        reason = unsupported or _ineligible(pg, config)
+        reason = unsupported or _ineligible(pg, config, names)
         topo = None
         if reason is None:
             topo, reason = _topology(compat.shard_process_group(pg), config, hosts)
@@ -212,10 +214,13 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                                   str(dtype).replace("torch.", ""), None, reason))
         plans.append((pg, topo, config.ring and _ring_eligible(pg, module, fsdp_modules)))
 
+    # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
+    # different local shapes, and their groups fall back (the reason must agree).
     description = {
         "torch": torch.__version__,
         **{f"config.{k}": v for k, v in config.describe().items()},
-        **{f"group {e.index} ({e.name})": (e.num_params, e.shard_bytes, e.dtype, e.reason) for e in entries},
+        **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
+           for e in entries},
     }
     check_agreement(description, None, "tide_core.install")
 

@@ -50,12 +50,12 @@ FSDP_PARAM_METHODS = ("free_unsharded_param", "alloc_all_gather_outputs", "init_
 #: FSDPParam instance attributes TIDE reads; checked per parameter when a group is served.
 FSDP_PARAM_ATTRIBUTES = ("all_gather_outputs", "_sharded_param_data", "padded_sharded_param_size", "sharded_size",
                          "contiguous_sharded_stride", "sharded_param", "fsdp_placement", "offload_to_cpu",
-                         "_orig_size", "_sharded_local_tensor", "_param_fqn", "mp_policy")
+                         "_orig_size", "_sharded_local_tensor", "mp_policy")
 #: FSDPParamGroup attributes TIDE reads (after ``fully_shard``, before lazy init).
 FSDP_PARAM_GROUP_ATTRIBUTES = ("fsdp_params", "device", "post_forward_mesh_info", "_all_gather_comm",
                                "_reduce_scatter_comm", "_all_gather_process_group", "_reduce_scatter_process_group",
                                "_use_post_forward_mesh", "reshard_after_backward", "is_unsharded",
-                               "_all_gather_result")
+                               "_all_gather_result", "modules")
 #: FSDP2 collectives helpers TIDE calls.
 COLLECTIVES_HELPERS = ("AllGatherResult", "_get_param_all_gather_inputs", "_get_gradient_divide_factors",
                        "DefaultAllGather", "DefaultReduceScatter")
@@ -236,6 +236,11 @@ def reduce_dtype(param_group) -> "torch.dtype":
     return fp.sharded_param.dtype
 
 
+def module_count(param_group) -> int:
+    """How many modules share the group (``fully_shard([a, b])``: 2)."""
+    return len(param_group.modules)
+
+
 def reshards_after_backward(param_group) -> bool:
     return param_group.reshard_after_backward
 
@@ -270,8 +275,9 @@ def fsdp_params(param_group) -> list:
     return list(param_group.fsdp_params)
 
 
-def ineligible(param_group) -> str | None:
-    """Why FSDP2's setup of this group keeps TIDE off it (None: nothing does)."""
+def ineligible(param_group, names: dict[int, str]) -> str | None:
+    """Why FSDP2's setup of this group keeps TIDE off it (None: nothing does). ``names``:
+    id(sharded parameter) -> its name in the model."""
     params = param_group.fsdp_params
     missing = [a for a in FSDP_PARAM_GROUP_ATTRIBUTES if not hasattr(param_group, a)]
     if missing:
@@ -280,14 +286,15 @@ def ineligible(param_group) -> str | None:
         missing = [a for a in FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
         if missing:
             return f"unknown torch internal: FSDPParam lacks {missing}"
+        name = names.get(id(fp.sharded_param), "?")
         if fp.fsdp_placement.dim != 0:
-            return f"parameter {fp._param_fqn} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
+            return f"parameter {name} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
         if fp.offload_to_cpu:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"parameter {fp._param_fqn} uses an all-gather extension (fsdp_pre_all_gather)"
+            return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
         if getattr(fp, "_unsharded_dtensor_spec", None) is not None or getattr(fp, "_tp_spec", None) is not None:
-            return f"parameter {fp._param_fqn} is also tensor-parallel (2-D DTensor)"
+            return f"parameter {name} is also tensor-parallel (a DTensor on a 2-D+ mesh)"
     dtypes = {fp.sharded_param.dtype for fp in params}
     if len(dtypes) != 1:
         return f"mixed parameter dtypes {sorted(map(str, dtypes))}"

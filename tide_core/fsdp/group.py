@@ -145,9 +145,9 @@ class TideGroup:
                 holder = None
             if holder is not None and holder is not self:
                 raise SlotConflictError(
-                    f"TIDE ring slot {self.slot} is still held by group {holder.name} while group {self.name} "
-                    "all-gathers; this happens with explicit prefetch deeper than one group. Set TIDE_RING=0 "
-                    "(every group gets its own landing) or reduce the prefetch depth."
+                    f"TIDE ring slot {self.slot} is still held by group {holder.name} (unsharded) while group "
+                    f"{self.name} all-gathers into it: {self._conflict_cause()}. Set TIDE_RING=0 (every group "
+                    "gets its own landing)."
                 )
             self.ring.occupant[self.slot] = self
         self.live = True
@@ -174,6 +174,15 @@ class TideGroup:
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
         return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
+
+    def _conflict_cause(self) -> str:
+        explicit = any(getattr(m._get_fsdp_state(), attr, None)
+                       for g in self.handle.served_groups for m in getattr(g.pg, "modules", ())
+                       for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"))
+        if explicit:
+            return "explicit prefetch (set_modules_to_forward/backward_prefetch) deeper than one group"
+        return ("a ring group stayed unsharded while two others were gathered (reshard after forward or "
+                "after backward turned off after its landing was placed)")
 
     def _timing_start(self, stream):
         if not (self.handle.config.profile and self.device.type == "cuda"):

@@ -297,3 +297,29 @@ def _plain_model(rank, world_size):
     except tide_core.TIDEError as exc:
         return str(exc)
     return "no error"
+
+
+def _keep_unsharded_storage(rank, world_size):
+    import tide_core
+
+    stock = build()
+    stock.set_keep_unsharded_storage(True)
+    stock_losses = train(stock, rank)
+    model = build()
+    model.set_keep_unsharded_storage(True)
+    handle = tide_core.install(model, transport="reference")
+    losses = train(model, rank)
+    diff = max_diff(full_params(model), full_params(stock))
+    placements = sorted({g.placement for g in handle.served_groups})
+    pointers = [fp.all_gather_outputs[0].data_ptr() for g in handle.served_groups for fp in g.fsdp_params]
+    train(model, rank, steps=1)
+    stable = pointers == [fp.all_gather_outputs[0].data_ptr() for g in handle.served_groups for fp in g.fsdp_params]
+    return len(handle.served_groups), placements, diff, losses == stock_losses, stable
+
+
+@pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp", fromlist=["FSDPModule"]).FSDPModule,
+                                "set_keep_unsharded_storage"), reason="FSDPModule.set_keep_unsharded_storage is new in torch 2.15")
+def test_keep_unsharded_storage_gets_dedicated_stable_landings():
+    served, placements, diff, same_losses, stable = run_distributed(_keep_unsharded_storage, 2, timeout=180)[0]
+    assert served == 5 and placements == ["dedicated landing"]  # never a ring slot nobody releases
+    assert diff == 0.0 and same_losses and stable

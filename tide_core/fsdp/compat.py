@@ -236,6 +236,12 @@ def reduce_dtype(param_group) -> "torch.dtype":
     return fp.sharded_param.dtype
 
 
+def keeps_unsharded_storage(param_group) -> bool:
+    """torch 2.15's ``FSDPModule.set_keep_unsharded_storage(True)``: FSDP2 skips
+    ``free_unsharded_param`` on reshard, so the group's landing is never released."""
+    return any(getattr(fp, "keep_unsharded_storage", False) for fp in param_group.fsdp_params)
+
+
 def module_count(param_group) -> int:
     """How many modules share the group (``fully_shard([a, b])``: 2)."""
     return len(param_group.modules)

@@ -90,9 +90,11 @@ class TideGroup:
         """Choose the landing at the group's first all-gather (execution order) and root FSDP2's
         all-gather outputs there. Only done while sharded, before any unsharded parameter exists
         over the new storage."""
-        # A group kept unsharded after backward (set_reshard_after_backward(False)) would hold its
-        # ring slot while the next groups gather into it: it gets a dedicated landing.
-        if self.ring is not None and compat.reshards_after_backward(self.pg):
+        # A group kept unsharded after backward (set_reshard_after_backward(False)) or keeping its
+        # unsharded storage (set_keep_unsharded_storage(True)) would hold its ring slot while the
+        # next groups gather into it: it gets a dedicated landing.
+        if (self.ring is not None and compat.reshards_after_backward(self.pg)
+                and not compat.keeps_unsharded_storage(self.pg)):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
             if free:

@@ -13,6 +13,8 @@ test asserts on its own scenarios.
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -676,3 +678,54 @@ def test_slot_conflict_names_its_cause():
     toggled = messages["reshard toggled off"]
     assert "stayed unsharded" in toggled and "explicit prefetch" not in toggled, messages
     assert all("TIDE_RING=0" in m for m in messages.values()), messages
+
+
+def _threaded_world(results):
+    """Two ranks as threads of one process on torch's in-process test process group (collectives
+    only, no send/recv): TIDE must leave every group on stock collectives and say why."""
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    import tide_core
+
+    _install_threaded_pg()
+    store = dist.HashStore()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+
+    def rank_main(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
+            model = _tiny_lm()
+            handle = tide_core.install(model, mode="in_place", transport="reference")
+            loss_fn(model, _tokens(rank, 1)[0]).backward()
+            results.put((rank, [e.reason for e in handle.entries], len(handle.served_groups)))
+        except BaseException as exc:  # reported to the test
+            results.put((rank, repr(exc), -1))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+
+def test_process_group_without_point_to_point_falls_back():
+    from tests.support.dist import _context
+
+    ctx = _context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_threaded_world, args=(results,), daemon=True)
+    proc.start()
+    outcome = []
+    while len(outcome) < 2 and (proc.is_alive() or not results.empty()):
+        try:
+            outcome.append(results.get(timeout=1))
+        except queue.Empty:
+            pass
+    proc.join(timeout=30)
+    assert len(outcome) == 2, f"the threaded world ended with exit code {proc.exitcode}"
+    for rank, reasons, served in outcome:
+        assert served == 0, (rank, reasons)
+        assert len(reasons) == 5 and all("backend 'threaded' has no point-to-point send/recv" in r
+                                         for r in reasons), reasons

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import socket
 from dataclasses import dataclass
 
@@ -28,7 +29,7 @@ from tide_core.fsdp import compat
 from tide_core.fsdp.group import SlotRing, TideGroup
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
-from tide_core.runtime.groups import check_agreement
+from tide_core.runtime.groups import check_agreement, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
 
 log = logging.getLogger("tide")
@@ -250,6 +251,8 @@ def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
             return f"unknown torch internal: FSDPParam lacks {missing}"
         if fp.fsdp_placement.dim != 0:
             return f"parameter {name} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
+        if math.prod(fp._orig_size) == 0:
+            return f"parameter {name} has no elements"
         if fp.offload_to_cpu:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
@@ -276,7 +279,7 @@ def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
         return "all-gather and reduce-scatter use different process groups"
     if pg._all_gather_process_group.size() == 1:
         return "shard group has one rank: nothing to gather"
-    return None
+    return point_to_point_unavailable_reason(pg._all_gather_process_group)
 
 
 def _topology(pg_dist, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:

@@ -401,6 +401,17 @@ def _one_f_one_b(mode, rank, *, explicit_unshard: bool, reshard_after_backward: 
     return rec.finish()
 
 
+def _explicit_prefetch(mode, rank):
+    """Explicit forward and backward prefetch of two groups, set before the first forward: groups
+    gathered while both ring slots are live get dedicated landings."""
+    model = _tiny_lm()
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+    return _lm_steps(model, Recorder(model, mode), rank)
+
+
 def _frozen_parameters(mode, rank):
     """Frozen parameters inside served groups (some of a block, all of another block)."""
     model = _tiny_lm()
@@ -517,6 +528,7 @@ SCENARIOS = {
     "1f1b": (_one_f_one_b, {"explicit_unshard": False, "reshard_after_backward": True}),
     "1f1b explicit unshard, reshard after last backward": (
         _one_f_one_b, {"explicit_unshard": True, "reshard_after_backward": False}),
+    "explicit prefetch of two groups": (_explicit_prefetch, {}),
     "frozen parameters": (_frozen_parameters, {}),
     "clip_grad_norm_": (_clip_grad_norm, {}),
     "zero-size parameter": (_zero_size_parameter, {}),
@@ -533,7 +545,7 @@ ON_2_RANKS = [
     "partial group reshard toggle, initial reshard", "partial group reshard toggle, tied",
     "partial group reshard toggle, tied, initial reshard", "double partial forward",
     "double forward, nested, checkpointed", "double forward, nested, checkpointed, no reshard", "1f1b",
-    "1f1b explicit unshard, reshard after last backward", "frozen parameters", "clip_grad_norm_",
+    "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups", "frozen parameters", "clip_grad_norm_",
     "zero-size parameter", "foreach_reduce wrapped without annotation",
 ]
 ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)", "TP x FSDP (2-D)"]
@@ -615,6 +627,10 @@ def test_pipeline_style_microbatching(two_ranks, name):
     _assert_exact(two_ranks, name, served=5)
 
 
+def test_explicit_prefetch_of_two_groups_gets_dedicated_landings(two_ranks):
+    _assert_exact(two_ranks, "explicit prefetch of two groups", served=5)
+
+
 def test_frozen_parameters(two_ranks):
     _assert_exact(two_ranks, "frozen parameters")
 
@@ -657,7 +673,7 @@ def _slot_conflicts(rank, world_size):
         tide_core.install(model, mode="in_place", transport="reference")
         tokens = _tokens(rank, 2)
         loss_fn(model, tokens[0]).backward()  # landings placed: blocks alternate the two ring slots
-        if cause == "explicit prefetch":
+        if cause == "explicit prefetch":  # set after the landings were placed
             blocks = list(model.blocks)
             for i, block in enumerate(blocks[:-2]):
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])

@@ -745,3 +745,21 @@ def test_process_group_without_point_to_point_falls_back():
         assert served == 0, (rank, reasons)
         assert len(reasons) == 5 and all("backend 'threaded' has no point-to-point send/recv" in r
                                          for r in reasons), reasons
+
+
+def _single_process(rank, world_size):
+    import tide_core
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _tiny_lm()
+    with CommDebugMode() as comm:
+        handle = tide_core.install(model, transport="reference")
+        loss_fn(model, _tokens(rank, 1)[0]).backward()
+    return comm.get_total_counts(), [e.reason for e in handle.entries]
+
+
+def test_single_process_install_issues_no_collective():
+    # FSDP2 on one rank communicates nothing (PyTorch's world-size-1 test counts it); neither may TIDE.
+    count, reasons = run_distributed(_single_process, 1, timeout=60)[0]
+    assert count == 0
+    assert reasons == ["shard group has one rank: nothing to gather"] * 5

@@ -315,8 +315,9 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     found = _fsdp_groups(model)
     internals, unsupported = compat.probe()
 
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts: list = [socket.gethostname()] * dist.get_world_size()
+    if dist.get_world_size() > 1:  # one process: nothing to agree on, no collective issued
+        dist.all_gather_object(hosts, socket.gethostname())
     fsdp_modules = [m for _, _, m in found]
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
@@ -339,7 +340,8 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
            for e in entries},
     }
-    check_agreement(description, None, "tide_core.install")
+    if dist.get_world_size() > 1:
+        check_agreement(description, None, "tide_core.install")
 
     transports: dict = {}
     rings: dict = {}

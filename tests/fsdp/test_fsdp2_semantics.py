@@ -13,6 +13,8 @@ test asserts on its own scenarios.
 
 from __future__ import annotations
 
+import queue
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -399,6 +401,17 @@ def _one_f_one_b(mode, rank, *, explicit_unshard: bool, reshard_after_backward: 
     return rec.finish()
 
 
+def _explicit_prefetch(mode, rank):
+    """Explicit forward and backward prefetch of two groups, set before the first forward: groups
+    gathered while both ring slots are live get dedicated landings."""
+    model = _tiny_lm()
+    blocks = list(model.blocks)
+    for i, block in enumerate(blocks):
+        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+    return _lm_steps(model, Recorder(model, mode), rank)
+
+
 def _frozen_parameters(mode, rank):
     """Frozen parameters inside served groups (some of a block, all of another block)."""
     model = _tiny_lm()
@@ -515,6 +528,7 @@ SCENARIOS = {
     "1f1b": (_one_f_one_b, {"explicit_unshard": False, "reshard_after_backward": True}),
     "1f1b explicit unshard, reshard after last backward": (
         _one_f_one_b, {"explicit_unshard": True, "reshard_after_backward": False}),
+    "explicit prefetch of two groups": (_explicit_prefetch, {}),
     "frozen parameters": (_frozen_parameters, {}),
     "clip_grad_norm_": (_clip_grad_norm, {}),
     "zero-size parameter": (_zero_size_parameter, {}),
@@ -531,7 +545,7 @@ ON_2_RANKS = [
     "partial group reshard toggle, initial reshard", "partial group reshard toggle, tied",
     "partial group reshard toggle, tied, initial reshard", "double partial forward",
     "double forward, nested, checkpointed", "double forward, nested, checkpointed, no reshard", "1f1b",
-    "1f1b explicit unshard, reshard after last backward", "frozen parameters", "clip_grad_norm_",
+    "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups", "frozen parameters", "clip_grad_norm_",
     "zero-size parameter", "foreach_reduce wrapped without annotation",
 ]
 ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)", "TP x FSDP (2-D)"]
@@ -613,6 +627,10 @@ def test_pipeline_style_microbatching(two_ranks, name):
     _assert_exact(two_ranks, name, served=5)
 
 
+def test_explicit_prefetch_of_two_groups_gets_dedicated_landings(two_ranks):
+    _assert_exact(two_ranks, "explicit prefetch of two groups", served=5)
+
+
 def test_frozen_parameters(two_ranks):
     _assert_exact(two_ranks, "frozen parameters")
 
@@ -655,7 +673,7 @@ def _slot_conflicts(rank, world_size):
         tide_core.install(model, mode="in_place", transport="reference")
         tokens = _tokens(rank, 2)
         loss_fn(model, tokens[0]).backward()  # landings placed: blocks alternate the two ring slots
-        if cause == "explicit prefetch":
+        if cause == "explicit prefetch":  # set after the landings were placed
             blocks = list(model.blocks)
             for i, block in enumerate(blocks[:-2]):
                 block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
@@ -676,3 +694,72 @@ def test_slot_conflict_names_its_cause():
     toggled = messages["reshard toggled off"]
     assert "stayed unsharded" in toggled and "explicit prefetch" not in toggled, messages
     assert all("TIDE_RING=0" in m for m in messages.values()), messages
+
+
+def _threaded_world(results):
+    """Two ranks as threads of one process on torch's in-process test process group (collectives
+    only, no send/recv): TIDE must leave every group on stock collectives and say why."""
+    import threading
+
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg
+
+    import tide_core
+
+    _install_threaded_pg()
+    store = dist.HashStore()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+
+    def rank_main(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=2, store=store)
+            model = _tiny_lm()
+            handle = tide_core.install(model, mode="in_place", transport="reference")
+            loss_fn(model, _tokens(rank, 1)[0]).backward()
+            results.put((rank, [e.reason for e in handle.entries], len(handle.served_groups)))
+        except BaseException as exc:  # reported to the test
+            results.put((rank, repr(exc), -1))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+
+
+def test_process_group_without_point_to_point_falls_back():
+    from tests.support.dist import _context
+
+    ctx = _context()
+    results = ctx.Queue()
+    proc = ctx.Process(target=_threaded_world, args=(results,), daemon=True)
+    proc.start()
+    outcome = []
+    while len(outcome) < 2 and (proc.is_alive() or not results.empty()):
+        try:
+            outcome.append(results.get(timeout=1))
+        except queue.Empty:
+            pass
+    proc.join(timeout=30)
+    assert len(outcome) == 2, f"the threaded world ended with exit code {proc.exitcode}"
+    for rank, reasons, served in outcome:
+        assert served == 0, (rank, reasons)
+        assert len(reasons) == 5 and all("backend 'threaded' has no point-to-point send/recv" in r
+                                         for r in reasons), reasons
+
+
+def _single_process(rank, world_size):
+    import tide_core
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    model = _tiny_lm()
+    with CommDebugMode() as comm:
+        handle = tide_core.install(model, transport="reference")
+        loss_fn(model, _tokens(rank, 1)[0]).backward()
+    return comm.get_total_counts(), [e.reason for e in handle.entries]
+
+
+def test_single_process_install_issues_no_collective():
+    # FSDP2 on one rank communicates nothing (PyTorch's world-size-1 test counts it); neither may TIDE.
+    count, reasons = run_distributed(_single_process, 1, timeout=60)[0]
+    assert count == 0
+    assert reasons == ["shard group has one rank: nothing to gather"] * 5

@@ -27,7 +27,7 @@ from tide_core.fsdp import compat
 from tide_core.fsdp.group import SlotRing, TideGroup
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
-from tide_core.runtime.groups import check_agreement
+from tide_core.runtime.groups import check_agreement, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
 
 log = logging.getLogger("tide")
@@ -162,7 +162,7 @@ def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
                 "serve it with fp32 sums)")
     if compat.shard_process_group(pg).size() == 1:
         return "shard group has one rank: nothing to gather"
-    return None
+    return point_to_point_unavailable_reason(compat.shard_process_group(pg))
 
 
 def _topology(pg_dist, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
@@ -198,8 +198,9 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     found = compat.fsdp_param_groups(model)
     internals, unsupported = compat.probe()
 
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts: list = [socket.gethostname()] * dist.get_world_size()
+    if dist.get_world_size() > 1:  # one process: nothing to agree on, no collective issued
+        dist.all_gather_object(hosts, socket.gethostname())
     fsdp_modules = [m for _, _, m in found]
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
@@ -222,7 +223,8 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
            for e in entries},
     }
-    check_agreement(description, None, "tide_core.install")
+    if dist.get_world_size() > 1:
+        check_agreement(description, None, "tide_core.install")
 
     transports: dict = {}
     rings: dict = {}

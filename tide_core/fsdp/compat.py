@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import warnings
 from dataclasses import dataclass
 from types import ModuleType
@@ -295,6 +296,8 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
         name = names.get(id(fp.sharded_param), "?")
         if fp.fsdp_placement.dim != 0:
             return f"parameter {name} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
+        if math.prod(fp._orig_size) == 0:
+            return f"parameter {name} has no elements"
         if fp.offload_to_cpu:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):

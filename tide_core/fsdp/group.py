@@ -182,7 +182,8 @@ class TideGroup:
                        for g in self.handle.served_groups for m in getattr(g.pg, "modules", ())
                        for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"))
         if explicit:
-            return "explicit prefetch (set_modules_to_forward/backward_prefetch) deeper than one group"
+            return ("explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
+                    "live when the landings were placed")
         return ("a ring group stayed unsharded while two others were gathered (reshard after forward or "
                 "after backward turned off after its landing was placed)")
 

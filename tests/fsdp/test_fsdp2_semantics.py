@@ -446,17 +446,15 @@ def _unannotated_foreach_reduce_wrapper(mode, rank):
     tests do) before TIDE installs: TIDE's reduce must still return what this torch expects."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
+    import inspect
+
     original = _fsdp_param_group.foreach_reduce
 
-    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                       reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-                       all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-                       all_reduce_hook, force_sum_reduction_for_comms=False):
-        return original(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                        reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-                        all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-                        all_reduce_hook, force_sum_reduction_for_comms)
+    def foreach_reduce(*args, **kwargs):
+        return original(*args, **kwargs)
 
+    # This torch's parameters (2.15 dropped orig_dtype), no return annotation.
+    foreach_reduce.__signature__ = inspect.signature(original).replace(return_annotation=inspect.Signature.empty)
     _fsdp_param_group.foreach_reduce = foreach_reduce
     try:
         model = _tiny_lm()

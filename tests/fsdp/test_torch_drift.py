@@ -119,6 +119,9 @@ def _group_attributes(rank, world_size):
             missing += [f"{name}: param.{a}" for a in compat.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     reasons = {name: compat.ineligible(pg, names) for name, pg, _ in found}
+    group_attr = "_fsdp_param_group" if _profile().single_param_group else "_fsdp_param_groups"
+    missing += [f"state.{group_attr}" for m in model.modules()
+                if hasattr(m, "_get_fsdp_state") and not hasattr(m._get_fsdp_state(), group_attr)]
     hooks = {name: getattr(pg, "_all_gather_output_fn", None) for name, pg, _ in found}
     return len(found), missing, reasons, {k: getattr(v, "__name__", None) for k, v in hooks.items()}
 
@@ -152,10 +155,6 @@ def _lookups_and_landing_contract(rank, world_size):
     if _profile().copy_out_hook:
         def output_fn(fsdp_params, all_gather_result, world_size):
             calls["output_fn"] += 1
-            # FSDP2 waited for the collective before the hook (TIDE's hook relies on it).
-            assert all_gather_result.all_gather_work is None or not hasattr(all_gather_result.all_gather_work,
-                                                                             "is_completed") \
-                or all_gather_result.all_gather_work.is_completed()
             collectives._default_all_gather_output_fn(fsdp_params, all_gather_result, world_size)
         for pg in groups:
             pg._all_gather_output_fn = output_fn

@@ -124,10 +124,6 @@ class FSDPInternals:
     collectives_module: ModuleType
     originals: dict
 
-    @property
-    def reduce_returns_stream(self) -> bool:
-        return self.profile.reduce_returns_stream
-
 
 _warned_unknown: set[str] = set()
 
@@ -374,11 +370,6 @@ def release_landings(fsdp_params, rooted: bool) -> None:
             fp.all_gather_outputs = []
             if hasattr(fp, "_unsharded_param"):
                 del fp._unsharded_param
-
-
-def all_gather_outputs(fsdp_params) -> list[torch.Tensor]:
-    """Each parameter's (first) all-gather output, i.e. its landing when served."""
-    return [fp.all_gather_outputs[0] for fp in fsdp_params]
 
 
 def _noop() -> None:

@@ -133,10 +133,12 @@ def _warn_unknown_version(reason: str) -> None:
     if torch.__version__ in _warned_unknown:
         return
     _warned_unknown.add(torch.__version__)
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS[0], SUPPORTED_VERSIONS[-1]
     message = (f"TIDE: {reason}; every FSDP2 group runs stock collectives. TIDE was tested on torch "
-               f"{_versions_text()}: install one of those (pip install 'torch>=2.11,<2.16') to use TIDE.")
+               f"{_versions_text()}: install one of those (pip install 'torch>={low_major}.{low_minor},"
+               f"<{high_major}.{high_minor + 1}') to use TIDE.")
     log.warning("%s", message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)  # points at the caller of tide_core.install
 
 
 def _parameters(fn) -> list[str]:

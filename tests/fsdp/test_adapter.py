@@ -15,7 +15,8 @@ from tests.support.dist import run_distributed
 STEPS = 5
 
 
-def build(seed: int = 0, *, mp: bool = False, reshard=True, ac: bool = False, layers: int = 4, hsdp: bool = False):
+def build(seed: int = 0, *, mp: bool = False, reshard=True, ac: bool = False, layers: int = 4, hsdp: bool = False,
+          mp_reduce: torch.dtype | None = torch.float32):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -25,7 +26,7 @@ def build(seed: int = 0, *, mp: bool = False, reshard=True, ac: bool = False, la
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
         model.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
-    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mp else {}
+    kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=mp_reduce)} if mp else {}
     if hsdp:
         world = dist.get_world_size()
         kw["mesh"] = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -73,7 +74,7 @@ def _parity(rank, world_size, configs):
 
     results = {}
     for name, kw in configs:
-        model_kw = {k: kw[k] for k in ("mp", "reshard", "ac", "hsdp") if k in kw}
+        model_kw = {k: kw[k] for k in ("mp", "reshard", "ac", "hsdp", "mp_reduce") if k in kw}
         train_kw = {k: kw[k] for k in ("microbatches", "eval_between") if k in kw}
         stock = build(**model_kw)
         stock_losses = train(stock, rank, **train_kw)
@@ -85,7 +86,7 @@ def _parity(rank, world_size, configs):
             losses = train(model, rank, **train_kw)
             stats = handle.stats()
             assert stats["all_gathers"] > 0 and stats["reduce_scatters"] > 0
-            if mode == "slot_reuse" and kw.get("served", 5) == 5:
+            if mode == "slot_reuse" and kw.get("served", 5) == 5 and kw.get("slot_sources", True):
                 assert stats["slot_sources"] > 0  # gradients really were read from vacated slots
             per_mode[mode] = (full_params(model), losses)
             tide_core.uninstall(model)
@@ -119,6 +120,22 @@ def test_parity_with_stock_fsdp2_on_2_ranks():
             assert r["in_place_vs_stock"] == 0.0, name
         else:
             assert r["in_place_vs_stock"] < 2e-2, name  # bf16 parameters: a few bf16 ulps after 5 steps
+
+
+@pytest.mark.skipif(__import__("tide_core.fsdp.compat", fromlist=["torch_version"]).torch_version() < (2, 15),
+                    reason="before torch 2.15, reduce_dtype=None reduces in param_dtype (bf16): a fallback")
+def test_reduce_dtype_none_follows_the_parameter_dtype_and_is_served_exactly():
+    # torch 2.15: MixedPrecisionPolicy(param_dtype=bf16) without reduce_dtype reduces in the
+    # parameters' fp32, from bf16 gradients FSDP2 upcasts in its copy-in; TIDE sums them in fp32.
+    configs = [("bf16 params, reduce_dtype=None", {"mp": True, "mp_reduce": None}),
+               # Gradients accumulated across microbatches are upcast to fp32 by FSDP2: they are not
+               # the landing's bf16, so Slot-Reuse reads them in place.
+               ("bf16 params, reduce_dtype=None, grad accumulation",
+                {"mp": True, "mp_reduce": None, "microbatches": 2, "slot_sources": False})]
+    results = run_distributed(_parity, 2, args=(configs,), timeout=300)[0]
+    for name, r in results.items():
+        print(f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} max|dloss|={r['loss_diff']:.3e}")
+        assert r["in_place_vs_stock"] == 0.0 and r["slot_reuse_vs_in_place"] == 0.0 and r["loss_diff"] == 0.0, name
 
 
 def test_parity_on_4_ranks_and_emulated_2x2_topology():

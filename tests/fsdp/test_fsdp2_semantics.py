@@ -52,9 +52,15 @@ class Recorder:
     def loss(self, value: torch.Tensor) -> None:
         self.losses.append(value.detach().float().clone())
 
-    def step(self) -> None:
-        """Call before each optimizer step: snapshot every gradient (collective for DTensors)."""
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+        self.loss(loss)
+
+    def step(self, opt: torch.optim.Optimizer, set_to_none: bool) -> None:
+        """Snapshot every gradient (collective for DTensors), then step and zero the gradients."""
         self.grads.append({n: _full(p.grad) for n, p in self.model.named_parameters() if p.grad is not None})
+        opt.step()
+        opt.zero_grad(set_to_none=set_to_none)
 
     def finish(self) -> dict:
         import tide_core
@@ -161,11 +167,8 @@ def _hsdp_microbatches(mode, rank, *, flag: str, hook: bool = False):
             last = micro == 2
             getattr(model, flag)(last)
             loss = model(torch.randn(2, 17, generator=gen)).sum()
-            loss.backward()
-            rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 1)
+            rec.backward(loss)
+        rec.step(opt, step % 2 == 1)
     return rec.finish()
 
 
@@ -187,11 +190,8 @@ def _all_reduce_hook(mode, rank):
     for step in range(3):
         for _ in range(2):
             loss = model(torch.randn(2, 17, generator=gen)).sum()
-            loss.backward()
-            rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 1)
+            rec.backward(loss)
+        rec.step(opt, step % 2 == 1)
     return rec.finish()
 
 
@@ -221,17 +221,14 @@ def _tokens(rank: int, n: int):
     return [torch.randint(0, 37, (2, 9), generator=gen) for _ in range(n)]
 
 
-def _lm_steps(model, rec, rank, *, steps: int = 3, before_backward=None, clip: float | None = None):
+def _lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None):
     opt = _opt(model)
     for step, tokens in enumerate(_tokens(rank, steps)):
         loss = loss_fn(model, tokens)
-        loss.backward()
-        rec.loss(loss)
+        rec.backward(loss)
         if clip is not None:
             rec.loss(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor())
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -282,8 +279,7 @@ def _chunked_head_backward(model, h, rec, chunks: int = 2):
     for chunk in torch.chunk(h.detach(), chunks, dim=1):
         chunk = chunk.contiguous().requires_grad_(True)
         loss = model.head(chunk).square().mean()
-        loss.backward()
-        rec.loss(loss)
+        rec.backward(loss)
         grads.append(chunk.grad)
     h.backward(torch.cat(grads, dim=1))
 
@@ -301,9 +297,7 @@ def _partial_group_grad_accum_chunked(mode, rank, *, reshard: bool):
             model.set_requires_gradient_sync(last)
             model.set_is_last_backward(last)
             _chunked_head_backward(model, model(data[3 * step + micro], skip_head=True), rec)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -321,16 +315,13 @@ def _partial_group_reshard_toggle(mode, rank, *, tie: bool, initial_reshard: boo
         for chunk in torch.chunk(h.detach(), 4, dim=1):
             chunk = chunk.contiguous().requires_grad_(True)
             loss = model.head(chunk).square().mean()
-            loss.backward()
-            rec.loss(loss)
+            rec.backward(loss)
             grads.append(chunk.grad)
         model.head.set_reshard_after_forward(True)
         model.head.set_reshard_after_backward(True)
         model.head.reshard()
         h.backward(torch.cat(grads, dim=1))
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -343,11 +334,8 @@ def _double_partial_forward(mode, rank):
     for step in range(2):
         h1, h2 = model(data[2 * step], skip_head=True), model(data[2 * step + 1], skip_head=True)
         loss = h1.square().mean() + h2.abs().mean()
-        loss.backward()
-        rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.backward(loss)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -369,11 +357,8 @@ def _double_forward_nested_checkpointed(mode, rank, *, reshard: bool):
     data = _tokens(rank, 4)
     for step in range(2):
         loss = (loss_fn(model, data[2 * step]) - 0.5 * loss_fn(model, data[2 * step + 1])).square()
-        loss.backward()
-        rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.backward(loss)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -398,11 +383,8 @@ def _one_f_one_b(mode, rank, *, explicit_unshard: bool, reshard_after_backward: 
             if not reshard_after_backward:
                 model.set_reshard_after_backward(last)
             loss = loss_fn(model, data[3 * step + micro])
-            loss.backward()
-            rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+            rec.backward(loss)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -425,6 +407,46 @@ def _frozen_parameters(mode, rank):
     for p in model.blocks[2].parameters():
         p.requires_grad_(False)
     return _lm_steps(model, Recorder(model, mode), rank)
+
+
+class _PartlyUsed(nn.Module):
+    """A block whose third layer only runs on some steps (its parameters then get no gradient)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x, use_c: bool):
+        y = self.b(torch.relu(self.a(x)))
+        return y + self.c(x) if use_c else y
+
+
+def _unused_parameters(mode, rank):
+    """Parameters that get no gradient on alternate steps: those reduces use a sub-layout."""
+    from torch.distributed.fsdp import fully_shard
+
+    class Stack(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = nn.ModuleList(_PartlyUsed(13) for _ in range(3))
+
+        def forward(self, x, step: int):
+            for i, block in enumerate(self.blocks):
+                x = block(x, use_c=(step + i) % 2 == 0)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    rec = Recorder(model, mode)
+    opt = _opt(model)
+    gen = torch.Generator().manual_seed(7 + rank)
+    for step in range(4):
+        rec.backward(model(torch.randn(3, 13, generator=gen), step).square().mean())
+        rec.step(opt, step % 3 == 0)
+    return rec.finish()
 
 
 def _clip_grad_norm(mode, rank):
@@ -497,11 +519,8 @@ def _tensor_parallel(mode, rank, *, mesh_shape: tuple, names: tuple):
     gen = torch.Generator().manual_seed(100 + rank // mesh_shape[-1])  # same input on a TP group
     for step in range(3):
         loss = model(torch.randn(4, 6, generator=gen)).square().mean()
-        loss.backward()
-        rec.loss(loss)
-        rec.step()
-        opt.step()
-        opt.zero_grad(set_to_none=step % 2 == 0)
+        rec.backward(loss)
+        rec.step(opt, step % 2 == 0)
     return rec.finish()
 
 
@@ -534,6 +553,7 @@ SCENARIOS = {
     "explicit prefetch of two groups": (_explicit_prefetch, {}),
     "frozen parameters": (_frozen_parameters, {}),
     "clip_grad_norm_": (_clip_grad_norm, {}),
+    "parameters unused on some steps": (_unused_parameters, {}),
     "zero-size parameter": (_zero_size_parameter, {}),
     "foreach_reduce wrapped without annotation": (_unannotated_foreach_reduce_wrapper, {}),
     "TP x FSDP (2-D)": (_tensor_parallel, {"mesh_shape": (2, 2), "names": ("dp", "tp")}),
@@ -549,6 +569,7 @@ ON_2_RANKS = [
     "partial group reshard toggle, tied, initial reshard", "double partial forward",
     "double forward, nested, checkpointed", "double forward, nested, checkpointed, no reshard", "1f1b",
     "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups", "frozen parameters", "clip_grad_norm_",
+    "parameters unused on some steps",
     "zero-size parameter", "foreach_reduce wrapped without annotation",
 ]
 ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)", "TP x FSDP (2-D)"]
@@ -642,6 +663,10 @@ def test_explicit_prefetch_of_two_groups_gets_dedicated_landings(two_ranks):
 
 def test_frozen_parameters(two_ranks):
     _assert_exact(two_ranks, "frozen parameters")
+
+
+def test_parameters_unused_on_some_steps(two_ranks):
+    _assert_exact(two_ranks, "parameters unused on some steps", served=3)
 
 
 def test_clip_grad_norm(two_ranks):

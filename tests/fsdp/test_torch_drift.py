@@ -314,3 +314,39 @@ def _accumulation(rank, world_size):
 def test_stock_accumulates_into_the_packed_gradient_buffer_in_place():
     found, same_base, changed = run_distributed(_accumulation, 2, timeout=120)[0]
     assert found and same_base and changed
+
+
+def _install_touches(rank, world_size):
+    import os
+
+    import tide_core
+
+    collectives, _, param_group_module = _modules()
+    names = ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce")
+    model = build()
+    os.environ["TIDE_MAX_PARAMS"] = "5"  # blocks (7 parameters) fall back, the root (3) is served
+    try:
+        handle = tide_core.install(model, transport="reference")
+    finally:
+        del os.environ["TIDE_MAX_PARAMS"]
+    replaced = sorted(n for n in names if getattr(param_group_module, n) is not getattr(collectives, n))
+    hooks = {e.name: getattr(pg, "_all_gather_output_fn", None) is compat._tide_all_gather_output_fn
+             for e, (_, pg, _) in zip(handle.entries, compat.fsdp_param_groups(model))}
+    stashed = sum("_tide_group" in fp.__dict__ for _, pg, _ in compat.fsdp_param_groups(model) for fp in pg.fsdp_params)
+    loss_fn(model, batches(rank, 1)[0]).backward()
+    tide_core.uninstall(model)
+    restored = all(getattr(param_group_module, n) is getattr(collectives, n) for n in names)
+    hooks_after = [getattr(pg, "_all_gather_output_fn", collectives.__dict__.get("_default_all_gather_output_fn"))
+                   is collectives.__dict__.get("_default_all_gather_output_fn") for _, pg, _ in compat.fsdp_param_groups(model)]
+    left = sum(any(k in fp.__dict__ for k in ("_tide_group", "alloc_all_gather_outputs", "free_unsharded_param"))
+               for _, pg, _ in compat.fsdp_param_groups(model) for fp in pg.fsdp_params)
+    return replaced, hooks, stashed, restored, all(hooks_after), left
+
+
+def test_install_touches_exactly_what_the_profile_lists_and_uninstall_restores_it():
+    replaced, hooks, stashed, restored, hooks_restored, left = run_distributed(_install_touches, 2, timeout=120)[0]
+    assert replaced == sorted(_profile().patched)
+    # The copy-out hook goes on served groups only (the root), and only where the profile uses it.
+    assert hooks == {"<root>": _profile().copy_out_hook, **{f"blocks.{i}": False for i in range(4)}}
+    assert stashed == 3  # the root's parameters carry their TIDE group; fallback groups carry nothing
+    assert restored and hooks_restored and left == 0

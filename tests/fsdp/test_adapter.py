@@ -9,19 +9,31 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.fsdp.models import TinyLM, loss_fn
+from tests.fsdp.models import RMSNorm, TinyLM, loss_fn
 from tests.support.dist import run_distributed
 
 STEPS = 5
 
 
+class FusedRMSNorm(RMSNorm):
+    """torch's rms_norm: under bf16 mixed precision its weight gradient is fp32 (torch 2.15 passes it
+    on next to the other parameters' bf16 gradients)."""
+
+    def forward(self, x):
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
+
+
 def build(seed: int = 0, *, mp: bool = False, reshard=True, ac: bool = False, layers: int = 4, hsdp: bool = False,
-          mp_reduce: torch.dtype | None = torch.float32):
+          mp_reduce: torch.dtype | None = torch.float32, fused_norm: bool = False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = TinyLM(layers=layers)
+    if fused_norm:
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.__class__ = FusedRMSNorm
     if ac:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
@@ -74,7 +86,7 @@ def _parity(rank, world_size, configs):
 
     results = {}
     for name, kw in configs:
-        model_kw = {k: kw[k] for k in ("mp", "reshard", "ac", "hsdp", "mp_reduce") if k in kw}
+        model_kw = {k: kw[k] for k in ("mp", "reshard", "ac", "hsdp", "mp_reduce", "fused_norm") if k in kw}
         train_kw = {k: kw[k] for k in ("microbatches", "eval_between") if k in kw}
         stock = build(**model_kw)
         stock_losses = train(stock, rank, **train_kw)
@@ -123,15 +135,19 @@ def test_parity_with_stock_fsdp2_on_2_ranks():
 
 
 @pytest.mark.skipif(__import__("tide_core.fsdp.compat", fromlist=["torch_version"]).torch_version() < (2, 15),
-                    reason="before torch 2.15, reduce_dtype=None reduces in param_dtype (bf16): a fallback")
-def test_reduce_dtype_none_follows_the_parameter_dtype_and_is_served_exactly():
+                    reason="torch 2.15 semantics: reduce_dtype=None reduces in the parameter dtype; mixed gradient dtypes")
+def test_torch_2_15_gradient_dtypes_are_served_exactly():
     # torch 2.15: MixedPrecisionPolicy(param_dtype=bf16) without reduce_dtype reduces in the
     # parameters' fp32, from bf16 gradients FSDP2 upcasts in its copy-in; TIDE sums them in fp32.
     configs = [("bf16 params, reduce_dtype=None", {"mp": True, "mp_reduce": None}),
                # Gradients accumulated across microbatches are upcast to fp32 by FSDP2: they are not
                # the landing's bf16, so Slot-Reuse reads them in place.
                ("bf16 params, reduce_dtype=None, grad accumulation",
-                {"mp": True, "mp_reduce": None, "microbatches": 2, "slot_sources": False})]
+                {"mp": True, "mp_reduce": None, "microbatches": 2, "slot_sources": False}),
+               # fp32 rms_norm weight gradients next to bf16 ones: both cast to the fp32 reduce dtype.
+               ("bf16 params, rms_norm, reduce_dtype=None", {"mp": True, "mp_reduce": None, "fused_norm": True,
+                                                              "slot_sources": False}),
+               ("bf16 params, rms_norm, reduce_dtype=fp32", {"mp": True, "fused_norm": True, "slot_sources": False})]
     results = run_distributed(_parity, 2, args=(configs,), timeout=300)[0]
     for name, r in results.items():
         print(f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} max|dloss|={r['loss_diff']:.3e}")

@@ -242,6 +242,11 @@ class TideGroup:
         grads = list(unsharded_grads)
         unsharded_grads.clear()
         reduce_dtype = reduce_dtype or grads[0].dtype
+        if len({g.dtype for g in grads}) > 1:
+            # torch 2.15 hands over gradients of several dtypes (e.g. rms_norm's fp32 weight gradient
+            # next to bf16 ones whose upcast it deferred); its copy-in casts each to the reduce
+            # dtype, and so does this.
+            grads = [g if g.dtype == reduce_dtype else g.to(reduce_dtype) for g in grads]
         if list(fsdp_params) == self.fsdp_params:
             layout = self.layout
         else:  # parameters without gradients this step are skipped (2.15: or reordered by dtype), as FSDP2 does

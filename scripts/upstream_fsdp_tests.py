@@ -72,6 +72,7 @@ def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
         "        if issubclass(_cls, FSDPTest):  # torch 2.13's FSDPTest._run skips CPU runs; the mixin's does not",
         "            _extra['_run'] = FSDPTestMixin.__dict__['_run']",
         "        globals()[_name] = type(_name, (_cls,), _extra)",
+        "del _name, _cls, _extra  # not test classes of their own",
     ]
     for spec in cpu_bodies:
         target, subtests = spec.split(":", 1)
@@ -129,7 +130,8 @@ def cell(mode: str, name: str, results: dict) -> str:
     if info is None:
         return "pass (no FSDP2 root installed)"
     if info["served"] == 0:
-        return "fallback: " + "; ".join(sorted(info["reasons"]))
+        reasons = "; ".join(sorted(info["reasons"]))
+        return f"fallback: {reasons}" if reasons else "pass (the model has no parameter group)"
     fallback = f"; some groups fall back: {'; '.join(sorted(info['reasons']))}" if info["reasons"] else ""
     return f"pass (TIDE served {info['served']} group(s) over {info['installs']} rank-installs{fallback})"
 

@@ -70,6 +70,11 @@ class TIDEConfig:
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
     round_width: int = 2
+    #: Serve groups whose FSDP2 reduce dtype is bf16/fp16 (MixedPrecisionPolicy.reduce_dtype, or
+    #: param_dtype when reduce_dtype is unset). Stock FSDP2 sums those gradients in that dtype;
+    #: TIDE's reduce-scatter always sums in fp32 (then casts), which is more precise but not
+    #: stock's result. False (default): such groups fall back to stock collectives, saying why.
+    fp32_reduce: bool = False
     #: Use the 2-slot all-gather ring for leaf groups (False: every group gets its own landing).
     ring: bool = True
     #: Reference transport: compare a digest of every call's shapes across ranks (one small all-gather).

@@ -37,12 +37,15 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 37, dim: int = 30, hidden: int = 53, heads: int = 3, layers: int = 4):
+    def __init__(self, vocab: int = 37, dim: int = 30, hidden: int = 53, heads: int = 3, layers: int = 4,
+                 tie: bool = False):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, hidden, heads) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens):
         x = self.embed(tokens)
@@ -54,3 +57,31 @@ class TinyLM(nn.Module):
 def loss_fn(model, tokens):
     logits = model(tokens[:, :-1])
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, mult: int = 4):
+        super().__init__()
+        self.up = nn.Linear(dim, mult * dim)
+        self.down = nn.Linear(mult * dim, dim)
+
+    def forward(self, x):
+        return self.down(F.relu(self.up(x)))
+
+
+class SplitHeadLM(nn.Module):
+    """Embedding, body, norm and an output head that can be skipped, so the head can run on its
+    own afterwards (the chunked-loss pattern); ``tie`` shares the head's weight with the embedding."""
+
+    def __init__(self, vocab: int = 41, dim: int = 18, tie: bool = False):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.body = nn.Linear(dim, dim, bias=False)
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, tokens, skip_head: bool = False):
+        h = self.norm(self.body(self.embed(tokens)))
+        return h if skip_head else self.head(h)

@@ -4,16 +4,15 @@
     print(handle.report())
     tide_core.uninstall(model)
 
-FSDP2's ``foreach_all_gather``, ``foreach_all_gather_copy_out`` and ``foreach_reduce`` are
-replaced (in ``_fsdp_param_group``'s namespace, where FSDP2 looks them up) by dispatchers that
-route served groups to TIDE and everything else to the originals. Groups outside the contract
+FSDP2's collectives are routed to TIDE for served groups and to stock for everything else
+through ``tide_core.fsdp.compat``, the one module that touches FSDP2's private names (per torch
+version: docs/torch-compat.md). Groups outside the contract
 fall back to stock collectives with a logged reason; ranks that disagree on the configuration or
 the groups abort on every rank with a message naming the difference. Installing twice is a no-op.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import socket
 from dataclasses import dataclass
@@ -29,13 +28,12 @@ from tide_core.fsdp.group import SlotRing, TideGroup
 from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
-from tide_core.runtime.groups import check_agreement
+from tide_core.runtime.groups import check_agreement, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
 
 log = logging.getLogger("tide")
 
 _HANDLE_ATTR = "_tide_handle"
-_PATCH_USERS: set[int] = set()
 
 
 @dataclass
@@ -129,137 +127,39 @@ class TIDEHandle:
         return f"TIDEHandle(mode={self.config.mode!r}, served={len(self.served_groups)}, fallback={len(self.fallback_groups)})"
 
 
-# -- dispatchers -------------------------------------------------------------------------------
-
-
-def _served(fsdp_params) -> TideGroup | None:
-    if not fsdp_params:
-        return None
-    group = fsdp_params[0].__dict__.get("_tide_group")
-    if group is None or any(fp.__dict__.get("_tide_group") is not group for fp in fsdp_params):
-        return None
-    return group
-
-
-def _make_dispatchers(internals) -> dict:
-    orig = internals.originals
-
-    @functools.wraps(orig["foreach_all_gather"])
-    def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
-                           all_gather_comm):
-        served = _served(fsdp_params)
-        if served is None or served.fsdp_params != list(fsdp_params):
-            return orig["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
-                                              all_gather_stream, device, all_gather_comm)
-        with torch.no_grad():
-            return served.all_gather(async_op, all_gather_copy_in_stream, all_gather_stream)
-
-    @functools.wraps(orig["foreach_all_gather_copy_out"])
-    def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
-        if _served(fsdp_params) is None or not hasattr(all_gather_result.all_gather_output, "_tide_inputs"):
-            return orig["foreach_all_gather_copy_out"](all_gather_result, fsdp_params, group)
-        return TideGroup.copy_out(all_gather_result)
-
-    @functools.wraps(orig["foreach_reduce"])
-    def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                       reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-                       all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-                       all_reduce_hook, force_sum_reduction_for_comms=False):
-        served = _served(fsdp_params)
-        args = (fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
-                orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
-                all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
-        if served is None or reduce_scatter_group is None or any(fp.fsdp_placement.dim != 0 for fp in fsdp_params):
-            return orig["foreach_reduce"](*args)
-        with torch.no_grad():
-            return served.reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                                 orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
-                                 all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
-                                 force_sum_reduction_for_comms)
-
-    for fn, name in ((foreach_all_gather, "foreach_all_gather"), (foreach_all_gather_copy_out, "foreach_all_gather_copy_out"),
-                     (foreach_reduce, "foreach_reduce")):
-        fn.__tide_original__ = orig[name]
-    return {"foreach_all_gather": foreach_all_gather, "foreach_all_gather_copy_out": foreach_all_gather_copy_out,
-            "foreach_reduce": foreach_reduce}
-
-
-def _patch(internals, owner: int) -> None:
-    module = internals.param_group_module
-    if not _PATCH_USERS:
-        for name, fn in _make_dispatchers(internals).items():
-            setattr(module, name, fn)
-    _PATCH_USERS.add(owner)
-
-
-def _unpatch(internals, owner: int) -> None:
-    _PATCH_USERS.discard(owner)
-    if not _PATCH_USERS:
-        for name, fn in internals.originals.items():
-            setattr(internals.param_group_module, name, fn)
-
-
 # -- group discovery and eligibility ------------------------------------------------------------
-
-
-def _fsdp_groups(model: nn.Module) -> list[tuple[str, object, nn.Module]]:
-    found, seen = [], set()
-    for fqn, module in model.named_modules():
-        if not _is_fsdp(module):
-            continue
-        for pg in compat.param_groups(module._get_fsdp_state()):
-            if pg is None or id(pg) in seen or not pg.fsdp_params:
-                continue
-            seen.add(id(pg))
-            found.append((fqn or "<root>", pg, module))
-    return found
 
 
 def _ring_eligible(pg, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool:
     """Leaf groups that reshard after forward share the 2-slot ring. Roots (live through the whole
-    step), groups with FSDP2 children (live while their children run) and groups kept unsharded
-    after forward get dedicated landings."""
-    if getattr(pg, "post_forward_mesh_info", None) is None:
+    step), groups with FSDP2 children (live while their children run), groups of several modules
+    (``fully_shard([a, b])``: live from a's forward to b's, e.g. tied embedding and output around
+    every layer) and groups kept unsharded after forward get dedicated landings."""
+    if not compat.reshards_after_forward(pg) or compat.module_count(pg) > 1:
         return False
     has_child = any(other is not module and any(m is other for m in module.modules()) for other in fsdp_modules)
     has_parent = any(other is not module and any(m is module for m in other.modules()) for other in fsdp_modules)
     return has_parent and not has_child
 
 
-def _ineligible(pg, config: TIDEConfig) -> str | None:
-    """Why a group cannot be served (None: it can)."""
-    params = pg.fsdp_params
-    if len(params) > config.max_params:
-        return f"{len(params)} parameters > max_params={config.max_params}"
-    for fp in params:
-        missing = [a for a in compat.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
-        if missing:
-            return f"unknown torch internal: FSDPParam lacks {missing}"
-        if fp.fsdp_placement.dim != 0:
-            return f"parameter {fp._param_fqn} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
-        if fp.offload_to_cpu:
-            return "CPU offload"
-        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"parameter {fp._param_fqn} uses an all-gather extension (fsdp_pre_all_gather)"
-        if getattr(fp, "_unsharded_dtensor_spec", None) is not None or getattr(fp, "_tp_spec", None) is not None:
-            return f"parameter {fp._param_fqn} is also tensor-parallel (2-D DTensor)"
-    dtypes = {fp.sharded_param.dtype for fp in params}
-    if len(dtypes) != 1:
-        return f"mixed parameter dtypes {sorted(map(str, dtypes))}"
+def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
+    """Why a group cannot be served (None: it can). ``names``: id(sharded parameter) -> its name."""
+    num_params = len(compat.fsdp_params(pg))
+    if num_params > config.max_params:
+        return f"{num_params} parameters > max_params={config.max_params}"
+    reason = compat.ineligible(pg, names)
+    if reason is not None:
+        return reason
     dtype = compat.all_gather_dtype(pg)
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"unsupported dtype {dtype}"
-    if getattr(pg, "_use_post_forward_mesh", False):
-        return "reshard_after_forward=int (post-forward mesh) is served by stock collectives"
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
-
-    if not isinstance(pg._all_gather_comm, DefaultAllGather) or not isinstance(pg._reduce_scatter_comm, DefaultReduceScatter):
-        return "a custom all-gather/reduce-scatter comm is set on this group"
-    if pg._all_gather_process_group is not pg._reduce_scatter_process_group:
-        return "all-gather and reduce-scatter use different process groups"
-    if pg._all_gather_process_group.size() == 1:
+    reduce_dtype = compat.reduce_dtype(pg)
+    if reduce_dtype != torch.float32 and not config.fp32_reduce:
+        return (f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
+                "serve it with fp32 sums)")
+    if compat.shard_process_group(pg).size() == 1:
         return "shard group has one rank: nothing to gather"
-    return None
+    return point_to_point_unavailable_reason(compat.shard_process_group(pg))
 
 
 def _topology(pg_dist, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
@@ -292,30 +192,36 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         raise TIDEError("tide_core.install needs torch.distributed to be initialized (it is collective)")
     if not any(_is_fsdp(m) for m in model.modules()):
         raise TIDEError("model has no FSDP2 module: call fully_shard(...) before tide_core.install(model)")
-    found = _fsdp_groups(model)
+    found = compat.fsdp_param_groups(model)
     internals, unsupported = compat.probe()
 
-    hosts: list = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts: list = [socket.gethostname()] * dist.get_world_size()
+    if dist.get_world_size() > 1:  # one process: nothing to agree on, no collective issued
+        dist.all_gather_object(hosts, socket.gethostname())
     fsdp_modules = [m for _, _, m in found]
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
     for index, (name, pg, module) in enumerate(found):
         dtype = compat.all_gather_dtype(pg)
-        shard_bytes = sum(fp.padded_sharded_param_size.numel() for fp in pg.fsdp_params) * dtype.itemsize
-        reason = unsupported or _ineligible(pg, config)
+        shard_bytes = compat.padded_shard_numel(pg) * dtype.itemsize
+        reason = unsupported or _ineligible(pg, config, names)
         topo = None
         if reason is None:
-            topo, reason = _topology(pg._all_gather_process_group, config, hosts)
-        entries.append(GroupEntry(index, name, len(pg.fsdp_params), shard_bytes, str(dtype).replace("torch.", ""),
-                                  None, reason))
+            topo, reason = _topology(compat.shard_process_group(pg), config, hosts)
+        entries.append(GroupEntry(index, name, len(compat.fsdp_params(pg)), shard_bytes,
+                                  str(dtype).replace("torch.", ""), None, reason))
         plans.append((pg, topo, config.ring and _ring_eligible(pg, module, fsdp_modules)))
 
+    # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
+    # different local shapes, and their groups fall back (the reason must agree).
     description = {
         "torch": torch.__version__,
         **{f"config.{k}": v for k, v in config.describe().items()},
-        **{f"group {e.index} ({e.name})": (e.num_params, e.shard_bytes, e.dtype, e.reason) for e in entries},
+        **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
+           for e in entries},
     }
-    check_agreement(description, None, "tide_core.install")
+    if dist.get_world_size() > 1:
+        check_agreement(description, None, "tide_core.install")
 
     transports: dict = {}
     rings: dict = {}
@@ -324,19 +230,19 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     for entry, (pg, topo, ring_ok) in zip(entries, plans):
         if entry.reason is not None:
             continue
-        pg_dist = pg._all_gather_process_group
+        pg_dist = compat.shard_process_group(pg)
         key = (id(pg_dist), topo)
         if key not in transports:
             try:
                 single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
-                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device,
+                transports[key] = make_transport(config.transport, topo, pg_dist, device=compat.group_device(pg),
                                                  options=cuda_options(config), validate_calls=config.validate_calls,
                                                  single_host=single_host)
             except TIDEError as exc:
                 if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
                     for served in entries:  # leave the model as install found it
-                        for fp in served.served.fsdp_params if served.served else ():
-                            fp.__dict__.pop("_tide_group", None)
+                        if served.served:
+                            compat.unmark_served(internals, served.served.pg)
                     for transport in transports.values():
                         transport.close()
                     raise TIDEError(f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
@@ -346,8 +252,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
-        for fp in pg.fsdp_params:
-            fp._tide_group = group
+        compat.mark_served(internals, pg, group)
         entry.served = group
     for key, members in ring_members.items():
         # Both ring slots are sized for the largest ring group on this transport.
@@ -356,7 +261,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
             g.ring = rings[key]
 
     if internals is not None:
-        _patch(internals, id(handle))
+        compat.patch(internals, id(handle))
     model.__dict__[_HANDLE_ATTR] = handle
     if dist.get_rank() == 0:
         for e in entries:
@@ -385,7 +290,7 @@ def uninstall(model: nn.Module) -> None:
     for group in handle.served_groups:
         group.unbind()
     if handle.internals is not None:
-        _unpatch(handle.internals, id(handle))
+        compat.unpatch(handle.internals, id(handle))
     del model.__dict__[_HANDLE_ATTR]
 
 

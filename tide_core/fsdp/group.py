@@ -64,14 +64,14 @@ class TideGroup:
         self.index = index
         self.name = name
         self.pg = param_group
-        self.fsdp_params = list(param_group.fsdp_params)
+        self.fsdp_params = compat.fsdp_params(param_group)
         self.transport = transport
         self.ring = ring
         self.internals = internals
-        self.device = param_group.device
+        self.device = compat.group_device(param_group)
         self.world_size = transport.topology.world_size
         self.ag_dtype = compat.all_gather_dtype(param_group)
-        shapes = [tuple(fp._orig_size) for fp in self.fsdp_params]
+        shapes = compat.param_shapes(self.fsdp_params)
         self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=self.ag_dtype.itemsize)
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None
@@ -92,7 +92,11 @@ class TideGroup:
         """Choose the landing at the group's first all-gather (execution order) and root FSDP2's
         all-gather outputs there. Only done while sharded, before any unsharded parameter exists
         over the new storage."""
-        if self.ring is not None:
+        # A group kept unsharded after backward (set_reshard_after_backward(False)) or keeping its
+        # unsharded storage (set_keep_unsharded_storage(True)) would hold its ring slot while the
+        # next groups gather into it: it gets a dedicated landing.
+        if (self.ring is not None and compat.reshards_after_backward(self.pg)
+                and not compat.keeps_unsharded_storage(self.pg)):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
             if free:
@@ -108,14 +112,7 @@ class TideGroup:
             self.segment.tensor(self.layout.shard_offset(p) * N, self.layout.unsharded_numel(p), self.ag_dtype)
             for p in range(self.layout.num_params)
         ]
-        for fp, landing in zip(self.fsdp_params, self.landings):
-            if hasattr(fp, "_unsharded_param"):
-                # Installed after stock steps ran: drop the parameter built over FSDP2's own
-                # storage so init_unsharded_param rebuilds it over the landing.
-                del fp._unsharded_param
-            fp.all_gather_outputs = [landing]
-            fp.alloc_all_gather_outputs = _noop
-            fp.free_unsharded_param = self._released
+        compat.root_landings(self.fsdp_params, self.landings, self._released)
 
     def _released(self) -> None:
         """FSDPParam.free_unsharded_param for served parameters: a logical free of the slot."""
@@ -126,38 +123,41 @@ class TideGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def _gather_dropped(self) -> bool:
+        """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited
+        for, cleared at the end of backward): the landing holds nothing, and no free follows."""
+        return self.live and compat.all_gather_dropped(self.pg)
+
     def unbind(self) -> None:
         """Give FSDP2 its own storage back (uninstall). Only between steps."""
+        if self._gather_dropped():
+            self._released()
         if self.live:
             raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
-        for fp in self.fsdp_params:
-            for attr in ("alloc_all_gather_outputs", "free_unsharded_param", "_tide_group"):
-                fp.__dict__.pop(attr, None)
-            if self.landings is not None:
-                fp.all_gather_outputs = []
-                if hasattr(fp, "_unsharded_param"):
-                    del fp._unsharded_param
+        compat.release_landings(self.fsdp_params, rooted=self.landings is not None)
+        compat.unmark_served(self.internals, self.pg)
         self.landings = None
 
     # -- all-gather ------------------------------------------------------------------------
     def all_gather(self, async_op, copy_in_stream, ag_stream):
-        C = self.internals.collectives_module
         if self.landings is None:
             self._bind()
         if self.slot is not None:
             holder = self.ring.occupant[self.slot]
+            if holder is not None and holder is not self and holder._gather_dropped():
+                holder._released()
+                holder = None
             if holder is not None and holder is not self:
                 raise SlotConflictError(
-                    f"TIDE ring slot {self.slot} is still held by group {holder.name} while group {self.name} "
-                    "all-gathers; this happens with explicit prefetch deeper than one group. Set TIDE_RING=0 "
-                    "(every group gets its own landing) or reduce the prefetch depth."
+                    f"TIDE ring slot {self.slot} is still held by group {holder.name} (unsharded) while group "
+                    f"{self.name} all-gathers into it: {self._conflict_cause()}. Set TIDE_RING=0 (every group "
+                    "gets its own landing)."
                 )
             self.ring.occupant[self.slot] = self
         self.live = True
         dh = self._device_handle
         with dh.stream(copy_in_stream):
-            inputs = C._get_param_all_gather_inputs(self.fsdp_params)  # FSDP2's fused cast under MP
-            shards = [ts[0] for ts in inputs]
+            shards = compat.all_gather_inputs(self.internals, self.fsdp_params)  # FSDP2's fused cast under MP
         if shards[0].dtype != self.ag_dtype:
             raise TIDEError(f"group {self.name}: FSDP2 all-gathers {shards[0].dtype} but TIDE planned {self.ag_dtype}")
         ag_stream.wait_stream(copy_in_stream)
@@ -177,11 +177,17 @@ class TideGroup:
             event = ag_stream.record_event()
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
-        marker = torch.empty(0, dtype=self.ag_dtype, device=self.device)
-        marker._tide_inputs = shards  # kept alive (stream-safely) by FSDP2 like its own flat buffer
-        numels = [[s.numel()] for s in shards]
-        return C.AllGatherResult(marker, event, None, [[self.ag_dtype]] * len(shards), numels,
-                                 [s.numel() for s in shards])
+        return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
+
+    def _conflict_cause(self) -> str:
+        explicit = any(getattr(m._get_fsdp_state(), attr, None)
+                       for g in self.handle.served_groups for m in getattr(g.pg, "modules", ())
+                       for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"))
+        if explicit:
+            return ("explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
+                    "live when the landings were placed")
+        return ("a ring group stayed unsharded while two others were gathered (reshard after forward or "
+                "after backward turned off after its landing was placed)")
 
     def _timing_start(self, stream):
         if not (self.config.profile and self.device.type == "cuda"):
@@ -208,22 +214,11 @@ class TideGroup:
             pairs.clear()
         return totals
 
-    @staticmethod
-    def copy_out(all_gather_result) -> None:
-        """Nothing to copy: the shards already sit in the parameters' storage."""
-        event, work = all_gather_result.all_gather_event, all_gather_result.all_gather_work
-        output = all_gather_result.all_gather_output
-        if event is not None:
-            getattr(torch, output.device.type).current_stream().wait_event(event)
-        if isinstance(work, dist.distributed_c10d.Work):
-            work.wait()
-
     # -- reduce-scatter --------------------------------------------------------------------
     def divide(self, rs_group, ar_group, reduce_dtype, divide_factor, force_sum):
         """(alpha, all-reduce op): FSDP2's pre/post divide, AVG and PREMUL_SUM folded into alpha."""
-        C = self.internals.collectives_module
-        pre, post, rs_op, ar_op = C._get_gradient_divide_factors(
-            rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
+        pre, post, rs_op, ar_op = compat.gradient_divide_factors(
+            self.internals, rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
         )
         if pre is not None or post is not None:
             return 1.0 / ((pre or 1) * (post or 1)), ar_op
@@ -239,21 +234,8 @@ class TideGroup:
         """The packed fp32 buffer all existing sharded grads are views of, in layout order, or None."""
         if orig_dtype not in (None, torch.float32):
             return None
-        base = None
-        for p, fp in enumerate(fsdp_params):
-            grad = fp.sharded_param.grad
-            if grad is None or fp.offload_to_cpu:
-                return None
-            local = getattr(grad, "_local_tensor", None)
-            b = getattr(local, "_base", None)
-            if b is None or (base is not None and b is not base):
-                return None
-            if local.storage_offset() != layout.shard_elem_offset(p) + b.storage_offset():
-                return None
-            base = b
-        if base is None or base.dtype != torch.float32 or base.dim() != 1 or base.numel() != layout.total_shard_numel:
-            return None
-        return base
+        offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
+        return compat.packed_sharded_grad_base(fsdp_params, offsets, layout.total_shard_numel)
 
     def reduce(self, fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, reduce_dtype, device,
                divide_factor, ar_group, ar_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
@@ -262,10 +244,15 @@ class TideGroup:
         grads = list(unsharded_grads)
         unsharded_grads.clear()
         reduce_dtype = reduce_dtype or grads[0].dtype
-        if len(fsdp_params) == len(self.fsdp_params):
+        if len({g.dtype for g in grads}) > 1:
+            # torch 2.15 hands over gradients of several dtypes (e.g. rms_norm's fp32 weight gradient
+            # next to bf16 ones whose upcast it deferred); its copy-in casts each to the reduce
+            # dtype, and so does this.
+            grads = [g if g.dtype == reduce_dtype else g.to(reduce_dtype) for g in grads]
+        if list(fsdp_params) == self.fsdp_params:
             layout = self.layout
-        else:  # parameters without gradients this step are skipped, as FSDP2 does
-            layout = GroupLayout.from_shapes([tuple(fp._orig_size) for fp in fsdp_params], world_size=self.world_size)
+        else:  # parameters without gradients this step are skipped (2.15: or reordered by dtype), as FSDP2 does
+            layout = GroupLayout.from_shapes(compat.param_shapes(fsdp_params), world_size=self.world_size)
         alpha, ar_op = self.divide(rs_group, ar_group, reduce_dtype, divide_factor, force_sum)
         current = dh.current_stream()
 
@@ -273,18 +260,28 @@ class TideGroup:
         slot_source = (
             self.config.mode == "slot_reuse"
             and self.landings is not None
+            and not self.live  # resharded: the landing is vacated (not so with reshard_after_backward=False)
             and layout is self.layout
             and grads[0].dtype == self.ag_dtype
         )
         if slot_source:
             # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
             # drop autograd's storage at once (stream-ordered: later compute-stream allocations
-            # run after the copy); the slot's next all-gather waits for the read.
+            # run after the copy); the slot's next all-gather waits for the read. Autograd may
+            # still hold the unsharded parameters built over the landing (a group's modules
+            # backpropagated in several passes); like the all-gather, the copy keeps their
+            # version counter, because FSDP2 re-gathers the group before they are read again.
             sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
-            torch._foreach_copy_(sources, grads)
+            with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
+                torch._foreach_copy_(sources, grads)
             grads = None
             self.stats["slot_sources"] += 1
-        fused = self._fused_output(fsdp_params, layout, orig_dtype)
+        # Accumulating straight into the existing sharded gradient only matches FSDP2 when the
+        # reduce-scatter output is the final gradient: under HSDP it first goes to the replica
+        # all-reduce (or the partial-reduce buffer), and an all-reduce hook sees this step's sum.
+        fused = None
+        if ar_group is None and all_reduce_hook is None:
+            fused = self._fused_output(fsdp_params, layout, orig_dtype)
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
             out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
@@ -324,30 +321,17 @@ class TideGroup:
             ar_stream.wait_stream(rs_stream)
             with dh.stream(ar_stream):
                 all_reduce_hook(reduce_output)
+                if self.internals.profile.hook_output_held:
+                    # 2.15: FSDP2 holds the hook's input across layers, like the HSDP all-reduce buffer.
+                    all_reduce_input, all_reduce_event = reduce_output, ar_stream.record_event()
 
         with dh.stream(post_stream):
-            if fused is None:
-                if orig_dtype is not None and reduce_output.dtype != orig_dtype:
-                    reduce_output = reduce_output.to(orig_dtype)
-                for p, fp in enumerate(fsdp_params):
-                    new_grad = torch.as_strided(reduce_output, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
-                                                storage_offset=layout.shard_elem_offset(p))
-                    if fp.sharded_param.grad is not None:
-                        fp.sharded_param.grad._local_tensor += new_grad
-                    else:
-                        fp.sharded_param.grad = fp.to_sharded_dtensor(new_grad)
-            for fp in fsdp_params:
-                for hook in (getattr(fp.sharded_param, "_post_accumulate_grad_hooks", {}) or {}).values():
-                    hook(fp.sharded_param)
+            offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
+            compat.set_sharded_grads(fsdp_params, reduce_output, offsets, orig_dtype, accumulated=fused is not None)
             post_reduce_event = post_stream.record_event()
         return self._result(_ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input,
                             all_reduce_event, None)
 
     def _result(self, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial):
-        if self.internals.reduce_returns_stream:
-            return hold, rs_event, post_stream, post_event, ar_input, ar_event, partial
-        return hold, rs_event, post_event, ar_input, ar_event, partial
-
-
-def _noop() -> None:
-    """FSDPParam.alloc_all_gather_outputs for served parameters: the landing is always there."""
+        return compat.reduce_result(self.internals, hold, rs_event, post_stream, post_event, ar_input, ar_event,
+                                    partial)

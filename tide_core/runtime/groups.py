@@ -93,6 +93,21 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch
         work.wait()
 
 
+#: Backends whose process groups implement isend/irecv, which every TIDE transport uses.
+POINT_TO_POINT_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def point_to_point_unavailable_reason(group: dist.ProcessGroup) -> str | None:
+    """Why ``group`` cannot carry TIDE's point-to-point exchange (None: it can). Test process
+    groups such as torch's in-process threaded one implement collectives only."""
+    backend = str(dist.get_backend(group))
+    names = [part.split(":")[-1] for part in backend.split(",")]  # e.g. "cpu:gloo,cuda:nccl"
+    if not any(name in POINT_TO_POINT_BACKENDS for name in names):
+        return (f"process group backend {backend!r} has no point-to-point send/recv "
+                f"(TIDE needs one of {', '.join(POINT_TO_POINT_BACKENDS)})")
+    return None
+
+
 def digest(obj) -> int:
     """Stable 63-bit digest of a picklable description (same on every rank for equal inputs)."""
     data = pickle.dumps(obj, protocol=4)

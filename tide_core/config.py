@@ -13,6 +13,7 @@ from typing import Any
 MODES = ("in_place", "slot_reuse")
 TRANSPORTS = ("auto", "reference", "cuda")
 SUM_KERNELS = ("auto", "tma", "regs")
+RAILS = ("auto", "p2p", "nccl", "nccl_rma")
 
 
 @dataclass
@@ -59,8 +60,9 @@ class TIDEConfig:
     #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
     #: ~9 us of host enqueue per slice and made the call up to 65% slower.
     sum_slice_mib: float = 0.0
-    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
-    #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
+    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else nccl),
+    #: "p2p" (copy-engine P2P, one host), "nccl" (grouped send/recv through torch.distributed) or
+    #: "nccl_rma" (NCCL host RMA, >= 2.29 and a NIC that supports it; not built yet).
     rail: str = "auto"
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
@@ -88,8 +90,8 @@ class TIDEConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if self.rail not in ("auto", "p2p", "nccl_rma"):
-            raise ValueError(f"rail={self.rail!r} is not supported; choose one of auto, p2p, nccl_rma")
+        if self.rail not in RAILS:
+            raise ValueError(f"rail={self.rail!r} is not supported; choose one of {', '.join(RAILS)}")
         if not self.sum_slice_mib >= 0:
             raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
         if self.local_copy not in ("kernel", "ce"):

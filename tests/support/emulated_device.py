@@ -98,6 +98,8 @@ class EmulatedDevice:
         self.sum_delay_s = sum_delay_s
         self.copies = 0
         self.kernels = 0  # sum kernels
+        self.host_steps = 0
+        self._comm: EmuStream | None = None  # the communication stream of host steps
 
     def stream(self, priority: int = 0) -> EmuStream:
         n = len(self.streams)
@@ -152,6 +154,25 @@ class EmulatedDevice:
         if self.copy_delay_s:
             stream.submit(lambda: time.sleep(self.copy_delay_s))
         self.copy_batch(stream, dsts, srcs, sizes)
+
+    def host_step(self, stream, step):
+        """A host step as ProcessGroupNCCL runs it: on one communication stream per device (its own
+        FIFO, in issue order), after ``stream``'s earlier work; ``stream`` continues once it is done.
+        A step a stalled peer never matches blocks the communication thread (a daemon) until the
+        process group's timeout, as NCCL's would until its watchdog aborts the communicator."""
+        if self._comm is None:
+            self._comm = EmuStream(self, "comm")
+        self.wait_event(self._comm, self.record(stream))
+
+        def run():
+            if self.stop.is_set():
+                return
+            for work in step.issue():
+                work.wait()  # gloo's works complete only through wait()
+
+        self._comm.submit(run)
+        self.wait_event(stream, self.record(self._comm))
+        self.host_steps += 1
 
     def compile(self, recorder, outputs, ring=4):
         return ReplayedProgram(self, recorder, outputs)
@@ -222,7 +243,7 @@ class EmulatedDevice:
 
     def close(self):
         self.stop.set()
-        for s in {id(s.q): s for s in self.streams}.values():
+        for s in {id(s.q): s for s in self.streams + ([self._comm] if self._comm else [])}.values():
             s.q.put(None)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from tide_core.runtime import native
-from tide_core.runtime.program import CALLER
+from tide_core.runtime.program import CALLER, ReplayedProgram
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
@@ -84,10 +84,23 @@ class CudaDevice:
         self.lib.launch_sum(out, staged, segments, first, count, alpha, accumulate, DTYPE_CODES[dtype], ctas,
                             stream.cuda_stream, self.sum_kernel)
 
+    # host steps ---------------------------------------------------------------------------------------
+    def host_step(self, stream, step) -> None:
+        """Issue ``step`` (e.g. a rail's grouped NCCL send/recv) with ``stream`` current: ProcessGroupNCCL
+        orders its communication stream after ``stream``, and ``wait()`` on each returned work orders
+        ``stream`` after the communication, without blocking the host."""
+        with torch.cuda.stream(stream):
+            for work in step.issue():
+                work.wait()
+
     # stream programs ---------------------------------------------------------------------------------
-    def compile(self, recorder, outputs: list[int], ring: int = 4) -> "CompiledProgram":
+    def compile(self, recorder, outputs: list[int], ring: int = 4):
         """``ring``: output events per output, so a returned event stays this call's for ``ring``
-        replays of the same program (FSDP2 waits on a group's call long before its next one)."""
+        replays of the same program (FSDP2 waits on a group's call long before its next one).
+        Recordings with host steps (the ``nccl`` rail) cannot live in a ``tide_core._C.StreamProgram``:
+        they are replayed operation by operation through this backend."""
+        if recorder.has_host_steps:
+            return ReplayedProgram(self, recorder, outputs)
         return CompiledProgram(self.lib, recorder, outputs, ring, self.sum_kernel)
 
     @property

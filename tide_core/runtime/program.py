@@ -7,6 +7,12 @@ each on the host; a call has 10-40 of them. Instead the transport issues them on
 (``tide_core._C.StreamProgram`` on GPUs), and every later call with the same buffers is one
 ``replay(caller_stream, base)``. Flag values are recorded relative to ``base`` (the call's epoch or
 first chunk number), so one recording serves every call; everything else in it is fixed.
+
+A recording may also hold host steps (``host_step(stream, step)``): work that only the host can issue,
+such as the ``nccl`` rail's grouped send/recv through torch.distributed. A backend runs
+``step.issue()`` with ``stream`` current, so the step is ordered after the stream's earlier work
+and the stream's later work after the step (what ProcessGroupNCCL does with its internal stream).
+A recording with host steps is replayed operation by operation (``ReplayedProgram``).
 """
 
 from __future__ import annotations
@@ -52,6 +58,13 @@ class ProgramRecorder:
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas) -> None:
         self.ops.append(("sum", stream, out, list(staged), list(segments), first, count, alpha, accumulate, dtype, ctas))
+
+    def host_step(self, stream, step) -> None:
+        self.ops.append(("host_step", stream, step))
+
+    @property
+    def has_host_steps(self) -> bool:
+        return any(op[0] == "host_step" for op in self.ops)
 
 
 class ReplayedProgram:

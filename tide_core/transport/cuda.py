@@ -128,7 +128,7 @@ class CudaTransport(Transport):
                  device: torch.device | None = None, backend=None, allocator=None, faults: dict | None = None,
                  single_host: bool = True):
         """``single_host``: every rank of ``group`` runs on this machine (multi-node topologies are then
-        emulated over the ``p2p`` rail; across hosts the rail is ``nccl_rma``)."""
+        emulated over the ``p2p`` rail; across hosts the rail is ``nccl``)."""
         from tide_core.config import TIDEConfig
 
         if not isinstance(topology, Topology):
@@ -174,7 +174,8 @@ class CudaTransport(Transport):
             slots = self._rs_rail_slot0 + 2
             rail_flags = self.arena.segment("rail_flags", P2PRail.flag_bytes(topology, slots))
             rail_flags.base.zero_()
-            self.rail = make_rail(self.config.rail, topology, self.rank, rail_flags, slots, single_host=single_host)
+            self.rail = make_rail(self.config.rail, topology, self.rank, rail_flags, slots, single_host=single_host,
+                                  groups=self.groups)
             self.name = f"cuda, {self.rail.name} rail"
             # Slot-Reuse trades speed for memory here too: its outbox recycles blocks (Eq. 9).
             self.waves = latin_square_plan(topology.nodes, L, self.config.wave_width, self.config.round_width,
@@ -385,7 +386,12 @@ class CudaTransport(Transport):
         dev.wait_event(self.s_done, placed)
         dev.wait_flags(self.s_done, self._local_flags(AG_DONE), e)
         if self.rail is not None:  # other nodes' shards: Bruck rounds, scattered into every local landing
-            scattered = self._record_rail_rounds(dev, e, start, layout, shards, landings)
+            if self.rail.two_sided:
+                from tide_core.transport.two_sided import record_all_gather_rounds
+
+                scattered = record_all_gather_rounds(self, dev, e, start, layout, shards, landings)
+            else:
+                scattered = self._record_rail_rounds(dev, e, start, layout, shards, landings)
             if not skip_completion:
                 dev.write_flags(self.s_scatter, self._peer_flags(AG_SCATTERED), e)
             dev.wait_event(self.s_done, scattered)
@@ -712,6 +718,10 @@ class CudaTransport(Transport):
         dev.wait_event(self.s_sum, start)
         if self.rail is None:  # one node: Level 1 is the whole collective
             self._record_level1(dev, layout, steps[0], grads, out.data_ptr(), alpha, accumulate, base_seq)
+        elif self.rail.two_sided:
+            from tide_core.transport.two_sided import record_reduce_scatter_level2
+
+            record_reduce_scatter_level2(self, dev, layout, steps, grads, out, alpha, accumulate, base_seq, start)
         else:
             self._record_rs_level2(dev, layout, steps, grads, out, alpha, accumulate, base_seq, start)
         return [dev.record(self.s_push), dev.record(self.s_sum)]
@@ -851,11 +861,8 @@ class CudaTransport(Transport):
                         rail.wait(dev, self.s_sum, sender(cc), data_slot, end)
                     else:
                         dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
-                blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in group]
-                for lo, hi in chunk_pieces(E, self.piece_elems):  # slices (see sum_slice_mib)
-                    dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
-                            lo, hi - lo, float(alpha) if single else 1.0,
-                            bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
+                self._record_landing(dev, [block(waves.inbox_gpu(u, cc), cc) for cc in group], E, out, total, single,
+                                     k, alpha, accumulate)
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
                     if cc == M or not credits_on:
@@ -869,13 +876,25 @@ class CudaTransport(Transport):
                     dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, held[cc])], base_seq + cc)
                     if credits_on:
                         return_credit(self.s_relay, cc)
-        # One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
-        # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
+        self._record_final_pass(dev, E, out, total, single, alpha, accumulate)
+        dev.wait_event(self.s_sum, dev.record(self.s_relay))
+
+    def _record_landing(self, dev, blocks, E, out, total, single, k, alpha, accumulate) -> None:
+        """Landing kernel k of a call: the sum kernel reads ``blocks`` (fp32 partials where they lie)
+        in slices (see sum_slice_mib); a single landing kernel folds alpha and accumulate into
+        ``out``, several add into the running total ``total``."""
+        for lo, hi in chunk_pieces(E, self.piece_elems):
+            dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
+                    lo, hi - lo, float(alpha) if single else 1.0,
+                    bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
+
+    def _record_final_pass(self, dev, E, out, total, single, alpha, accumulate) -> None:
+        """One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
+        the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does."""
         if not single:
             for lo, hi in chunk_pieces(E, self.piece_elems):
                 dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], lo, hi - lo, float(alpha),
                         bool(accumulate), torch.float32, self.config.sum_ctas)
-        dev.wait_event(self.s_sum, dev.record(self.s_relay))
 
     def close(self) -> None:
         """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""

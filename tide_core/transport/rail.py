@@ -19,12 +19,15 @@ Implementations:
 * ``p2p``: copy-engine P2P pushes and stream memory operations between GPUs of one host, with
   the symmetric arena's peer pointers. It runs M "nodes" x L GPUs on one machine (M = 2, L = 1 on
   two GPUs) and is what the CPU tests drive through the emulated device.
+* ``nccl``: grouped send/recv through torch.distributed (``tide_core.transport.dist_rail``), the
+  rail for groups that span hosts. It is two-sided, so it does not use ``put``/``signal``/``wait``:
+  the CUDA transport records ``exchange`` host steps instead (``tide_core.transport.two_sided``).
 * ``nccl_rma``: NCCL host RMA (``ncclPutSignal`` / ``ncclWaitSignal`` over windows registered with
   ``NCCL_WIN_COLL_SYMMETRIC`` on rail communicators split with ``ncclCommSplit(color = local
   rank)``). NCCL's signals are counters (+1 per put or signal, ``sigIdx`` 0 only, applied in order
   per peer), so an epoch-valued slot becomes a count: a call sends a fixed number K of signals to
-  each rail peer, so "slot s of call e" is count (e - 1) * K + k_s. It is not built yet: the GPU
-  machines here carry NCCL 2.28.9, which has no host RMA, and cannot install a newer one.
+  each rail peer, so "slot s of call e" is count (e - 1) * K + k_s. It is not built yet (host RMA
+  needs NCCL >= 2.29 and a NIC that supports it; the GPU machines used so far carry NCCL 2.28.9).
   ``nccl_rma_unavailable_reason()`` says why it cannot be used; the transport then falls back.
 """
 
@@ -33,11 +36,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 
+from tide_core.config import RAILS
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
 
 FLAG_LINE = 64  # one signal word per cache line
-NCCL_RMA_MIN_VERSION = (2, 31, 0)
+NCCL_RMA_MIN_VERSION = (2, 29, 0)  # ncclPutSignal / ncclWaitSignal (host RMA) arrived in NCCL 2.29
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
 
@@ -46,6 +50,7 @@ class P2PRail:
     """Rail over copy-engine P2P between the GPUs of one host (the symmetric arena's peer pointers)."""
 
     name = "p2p"
+    two_sided = False  # one-sided puts and signals (the nccl rail exchanges instead)
 
     def __init__(self, topology: Topology, rank: int, flags, slots: int):
         """``flags``: a symmetric segment of at least ``flag_bytes(topology, slots)`` bytes, zeroed on
@@ -120,12 +125,20 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
             "(see docs/multinode.md); use the reference transport across hosts")
 
 
-def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool):
-    """The rail ``kind`` ("auto" | "p2p" | "nccl_rma"); TransportError says why one cannot serve."""
-    if kind not in ("auto", "p2p", "nccl_rma"):
-        raise ValueError(f"rail={kind!r} is not supported; choose one of auto, p2p, nccl_rma")
+def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool, groups=None):
+    """The rail ``kind`` (one of RAILS); TransportError says why one cannot serve. ``auto``:
+    ``p2p`` when every rank is on one host (emulated nodes), else ``nccl``. ``groups``: the
+    transport's TopologyGroups (the ``nccl`` rail runs on its rail process group)."""
+    if kind not in RAILS:
+        raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
     if kind in ("auto", "p2p") and single_host:
         return P2PRail(topology, rank, flags, slots)
     if kind == "p2p":
         raise TransportError("rail='p2p' needs every rank of the group on one host (copy-engine P2P)")
+    if kind in ("auto", "nccl"):
+        from tide_core.transport.dist_rail import DistRail
+
+        if groups is None:
+            raise TransportError("rail='nccl' needs the group's topology process groups")
+        return DistRail(topology, groups, flags, flags.nbytes // FLAG_LINE)
     raise TransportError(f"rail 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}")

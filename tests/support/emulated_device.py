@@ -165,10 +165,12 @@ class EmulatedDevice:
         self.wait_event(self._comm, self.record(stream))
 
         def run():
-            if self.stop.is_set():
-                return
-            for work in step.issue():
-                work.wait()  # gloo's works complete only through wait()
+            try:
+                for work in step.issue():
+                    work.wait()  # gloo's works complete only through wait()
+            except Exception as exc:  # a failed transfer never completes, as on an aborted communicator
+                self.errors.append(exc)
+                self.stop.wait()
 
         self._comm.submit(run)
         self.wait_event(stream, self.record(self._comm))

@@ -135,3 +135,91 @@ def test_adapter_over_the_nccl_rail_trains_bitwise_like_stock_fsdp2():
         # two ranks: a + b is the only association, so fp32 training is bitwise that of stock FSDP2
         assert diff == 0.0 and loss_diff == 0.0, results
         assert all_gathers > 0 and host_steps > 0, results
+
+
+def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, slowed_rank, stop_after, config):
+    """Four back-to-back calls of ``collective`` over the nccl rail, ``fault`` injected on
+    ``faulty_rank``; ``slowed_rank``'s stage scatters (all-gather) or sums (reduce-scatter) are slowed
+    so that an early reuse overtakes them; ``stop_after``: the faulty rank issues that many calls and
+    then stops (a peer that stops sending). Returns per rank whether a result was corrupt and the
+    timeout raised, if any."""
+    topo = Topology(nodes, world_size // nodes)
+    delay = 0.05 if rank == slowed_rank else 0.0
+    t, dev, alloc = _transport(topo, tag, faults=fault if rank == faulty_rank else None,
+                               copy_delay_s=delay if collective == "ag" else 0.0,
+                               sum_delay_s=delay if collective == "rs" else 0.0, **{"timeout_s": 2.0, **config})
+    shapes = [(world_size * 64, 9), (5,), (3 * world_size + 1, 4)]
+    lay = layout_for(shapes, world_size, 2)
+    landings = [t.landing_buffers(lay, slot=call, dtype=torch.bfloat16) for call in range(4)]  # collective
+    reference = ReferenceTransport(topo)
+    expected = []  # computed collectively before any fault can stop a rank
+    for call in range(4):
+        if collective == "ag":
+            shards = all_shards(call, lay, torch.bfloat16)[rank]
+            expected.append((shards, [torch.empty_like(o) for o in landings[call]]))
+            reference.all_gather(lay, shards, expected[-1][1])
+        else:
+            grads = all_grads(call, shapes, world_size, torch.bfloat16)[rank]
+            expected.append((grads, torch.empty(lay.total_shard_numel)))
+            reference.reduce_scatter(lay, grads, expected[-1][1])
+    outcome = {"timeout": None, "corrupt": False}
+    calls = stop_after if rank == faulty_rank and stop_after is not None else 4
+    try:
+        pending = []
+        for call in range(calls):
+            inputs, expect = expected[call]
+            if collective == "ag":
+                for o in landings[call]:
+                    o.fill_(float("nan"))
+                pending.append((t.all_gather(lay, inputs, landings[call]), landings[call], expect))
+            else:
+                out = torch.full((lay.total_shard_numel,), float("nan"))
+                pending.append((t.reduce_scatter(lay, inputs, out), [out], [expect]))
+        t.synchronize()
+        for work, outs, expect in pending:
+            work.wait()
+            outcome["corrupt"] |= any(not torch.equal(o, x) for o, x in zip(outs, expect))
+    except PeerStallTimeout as exc:
+        outcome["timeout"] = str(exc)
+    if rank == faulty_rank and stop_after is not None:
+        time.sleep(6)  # stopped, not gone: the peers' waits must end by their own timeout
+    shut_down(dev, alloc)
+    return outcome
+
+
+C, T, OK = (True, False), (False, True), (False, False)  # per rank: corrupt result, PeerStallTimeout, clean
+RAIL_FAULTS = {  # name: (M, L, collective, fault, faulty rank, slowed rank, calls before it stops, config, outcomes)
+    # the stopped rank's own call completed; everyone still waiting on it times out
+    "all-gather: a peer stops sending": (3, 1, "ag", None, 2, None, 1, {}, [T, T, OK]),
+    # a skipped exchange shifts the faulty rank's matching by one call: its later calls receive the
+    # peer's earlier ones (corrupt) and the peer's last exchange is never matched (timeout)
+    "all-gather: skip a round": (2, 1, "ag", {"rail_skip_signal": {2}}, 0, None, None, {}, [C, T]),
+    "all-gather: drop stage credits": (2, 1, "ag", {"rail_drop_credit_from": 2}, 0, None, None, {}, [T, T]),
+    # the faulty rank receives call e + 1 into a stage area its own (slowed) scatter of call e reads
+    "all-gather: reuse the stage early": (2, 1, "ag", {"rail_early_reuse": True}, 0, 0, None, {}, [C, OK]),
+    "all-gather: control, same timing without the fault": (2, 1, "ag", None, 0, 0, None, {}, [OK, OK]),
+    # calls 1 and 2 swapped on rank 0: each rank's first exchange meets the other's second
+    "all-gather: reorder calls": (2, 1, "ag", {"reorder_call": 1}, 0, None, None, {}, [C, C]),
+    "reduce-scatter: a peer stops sending": (3, 1, "rs", None, 2, None, 1, {}, [T, T, OK]),
+    "reduce-scatter: skip a round": (2, 1, "rs", {"rail_skip_signal": {2}}, 0, None, None, {}, [C, T]),
+    "reduce-scatter: drop inbox credits": (2, 2, "rs", {"rail_drop_credit_from": 2}, 0, None, None, {}, [T] * 4),
+    # Inbox blocks reused within a call (5 x 2, W = 1: two generations) and read by a node peer:
+    # the only reuse that the receiver's own stream order does not already cover. Rank 0 receives
+    # the block's next use while rank 1 (slowed) still lands the previous one from it.
+    "reduce-scatter: reuse an inbox block early": (5, 2, "rs", {"rail_early_reuse": True}, 0, 1, None,
+                                                   {"wave_width": 1, "timeout_s": 20.0}, [OK, C] + [OK] * 8),
+    "reduce-scatter: control, same timing without the fault": (5, 2, "rs", None, 0, 1, None,
+                                                               {"wave_width": 1, "timeout_s": 20.0}, [OK] * 10),
+}
+
+
+@pytest.mark.parametrize("name", list(RAIL_FAULTS))
+def test_nccl_rail_faults_are_detected(name):
+    nodes, L, collective, fault, faulty, slowed, stop_after, config, expected = RAIL_FAULTS[name]
+    outcomes = run_distributed(_rail_fault, nodes * L, timeout=120,
+                               args=(uuid.uuid4().hex[:8], nodes, collective, fault, faulty, slowed, stop_after, config))
+    observed = [(o["corrupt"], o["timeout"] is not None) for o in outcomes]
+    print(f"\n{name}: {observed}")
+    assert observed == expected, (name, outcomes)
+    for o in outcomes:  # fail-stop: a starved rank names the call it waited for instead of hanging
+        assert o["timeout"] is None or "did not complete within" in o["timeout"], o

@@ -31,7 +31,8 @@ from tide_core.plan.reducescatter import (
     level1_owner,
     split_copies,
 )
-from tide_core.plan.solver import Calibration, SolverResult, solve
+from tide_core.plan.solver import (Calibration, MultinodeEstimate, SolverResult, estimate_all_gather,
+                                   estimate_reduce_scatter, solve)
 from tide_core.plan.topology import Topology
 
 __all__ = [
@@ -64,4 +65,7 @@ __all__ = [
     "Calibration",
     "SolverResult",
     "solve",
+    "MultinodeEstimate",
+    "estimate_all_gather",
+    "estimate_reduce_scatter",
 ]

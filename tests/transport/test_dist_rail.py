@@ -28,10 +28,23 @@ from tide_core.transport.dist_rail import DistRail
 from tide_core.transport.reference import ReferenceTransport
 
 
+def _node_only(alloc, topo: Topology, rank: int):
+    """Peer pointers for this rank's node only, as across hosts (``node_symmetric_allocator``): the
+    nccl rail must never need another node's memory."""
+    node = topo.node_of(rank)
+
+    def allocate(name: str, nbytes: int):
+        base, peers = alloc(name, nbytes)
+        return base, [ptr if topo.node_of(r) == node else None for r, ptr in enumerate(peers)]
+
+    allocate.cleanup = alloc.cleanup
+    return allocate
+
+
 def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0,
                **config):
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s)
-    alloc = shared_memory_allocator(dist.group.WORLD, tag)
+    alloc = _node_only(shared_memory_allocator(dist.group.WORLD, tag), topo, dist.get_rank())
     config = TIDEConfig(timeout_s=timeout_s, rail="nccl", **config)
     t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
                       faults=faults, single_host=False)
@@ -106,7 +119,7 @@ def _adapter_parity(rank, world_size, tag):
 
     def emulated_transport(kind, topology, group, *, device, config, single_host):
         dev = EmulatedDevice()
-        alloc = shared_memory_allocator(group, f"{tag}{len(created)}")
+        alloc = _node_only(shared_memory_allocator(group, f"{tag}{len(created)}"), topology, dist.get_rank(group))
         t = CudaTransport(topology, group, config=dataclasses.replace(config, rail="nccl"), device=torch.device("cpu"),
                           backend=dev, allocator=alloc, single_host=False)
         created.append((t, dev, alloc))

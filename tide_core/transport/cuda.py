@@ -142,11 +142,12 @@ class CudaTransport(Transport):
             raise TransportError(f"gpus_per_node={L}: the sum kernel stages at most 15 peers")
         if backend is None:
             from tide_core.runtime.device import CudaDevice
-            from tide_core.runtime.symmetric import symmetric_allocator
+            from tide_core.runtime.symmetric import node_symmetric_allocator, symmetric_allocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
             backend = CudaDevice(device, sum_kernel=self.config.sum_kernel)
-            allocator = allocator or symmetric_allocator(self.groups.group, device)
+            allocator = allocator or (symmetric_allocator(self.groups.group, device) if single_host
+                                      else node_symmetric_allocator(self.groups, device))
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
         self.arena = Arena(allocator)
@@ -278,7 +279,7 @@ class CudaTransport(Transport):
             seg, offset = self.arena.find(tensor.data_ptr(), nbytes)
         except ValueError:
             raise ValueError(f"{name} is not inside the transport's arena; allocate it with landing_buffers()") from None
-        return [p + offset for p in seg.peer_ptrs]
+        return [None if p is None else p + offset for p in seg.peer_ptrs]  # None: another host
 
     def _agree(self, kind: str, layout: GroupLayout, dtype, problem: str | None) -> None:
         """Compare a digest of the call across ranks the first time a layout is seen (a per-call

@@ -107,6 +107,10 @@ def test_nccl_rail_records_one_grouped_exchange_with_global_peers_and_local_cred
                             node_group=None, rail_group=rail_group)
     flags = _FakeSegment(FLAG_LINE * 4, 0x4000, None)
     rail = DistRail(topo, groups, flags, 4)
+    # rail selection: across hosts "auto" and "nccl" give this rail, on one host "auto" stays p2p
+    chosen = make_rail("auto", topo, 3, flags, 1, single_host=False, groups=groups)
+    assert isinstance(chosen, DistRail) and chosen.name == "nccl" and chosen.words == 4
+    assert isinstance(make_rail("nccl", topo, 3, flags, 1, single_host=True, groups=groups), DistRail)
     assert rail.peer(2) == 15 and rail.peer(0) == 11
     assert rail.credit_word(3) == 0x4000 + 3 * FLAG_LINE
     with pytest.raises(ValueError, match="credit word 4"):

@@ -66,12 +66,20 @@ class EmuStream:
     def submit(self, fn):
         self.q.put(fn)
 
+    @property
+    def cuda_stream(self):  # the handle a compiled program is given: the stream itself
+        return self
+
 
 class HostStream:
     """The caller's "current stream": runs operations inline (the test thread blocks)."""
 
     def __init__(self, device):
         self.device = device
+
+    @property
+    def cuda_stream(self):  # the handle a compiled program is given: the stream itself
+        return self
 
     def submit(self, fn):
         fn()
@@ -83,11 +91,14 @@ class EmulatedDevice:
     max_sources = 16
 
     def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0,
-                 push_delay_s: float = 0.0):
+                 push_delay_s: float = 0.0, segmented: bool = False):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
         ``sum_delay_s`` / ``copy_delay_s`` / ``push_delay_s``: slow sum kernels / copy kernels and 2-D
-        copies (the stage scatters) / copy-engine batches, to expose missing credits and signals."""
+        copies (the stage scatters) / copy-engine batches, to expose missing credits and signals.
+        ``segmented``: recordings with host steps are compiled as on GPUs (``SegmentedProgram`` over
+        ``EmulatedNativeLib``) instead of replayed operation by operation."""
+        self.segmented = segmented
         self.copy_delay_s = copy_delay_s
         self.push_delay_s = push_delay_s
         self.hardware_queues = hardware_queues
@@ -177,6 +188,11 @@ class EmulatedDevice:
         self.host_steps += 1
 
     def compile(self, recorder, outputs, ring=4):
+        if self.segmented and recorder.has_host_steps:
+            from tide_core.runtime.device import SegmentedProgram
+
+            return SegmentedProgram(self, EmulatedNativeLib(self), recorder, outputs, ring, 0,
+                                    wrap=lambda lib, event, program: event)
         return ReplayedProgram(self, recorder, outputs)
 
     def write_flags(self, stream, addresses, value):
@@ -247,6 +263,61 @@ class EmulatedDevice:
         self.stop.set()
         for s in {id(s.q): s for s in self.streams + ([self._comm] if self._comm else [])}.values():
             s.q.put(None)
+
+
+class EmulatedNativeLib:
+    """The part of tide_core._C that compiled programs use, over the emulated device: handles are
+    the emulated streams and events themselves."""
+
+    CALLER_STREAM = "caller stream handle"
+
+    def __init__(self, device: EmulatedDevice):
+        self.device = device
+
+    def StreamProgram(self, num_events: int) -> "EmulatedStreamProgram":
+        return EmulatedStreamProgram(self.device, num_events)
+
+    def stream_wait_event(self, stream, event) -> None:
+        self.device.wait_event(stream, event)
+
+    def event_query(self, event) -> bool:
+        return event.query()
+
+
+class EmulatedStreamProgram:
+    """tide_core._C.StreamProgram's interface: operations added once, replayed with a flag base;
+    each replay records fresh events and returns those of ``set_outputs``."""
+
+    DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
+
+    def __init__(self, device: EmulatedDevice, num_events: int):
+        self.device, self.num_events, self.ops, self.outputs = device, num_events, [], []
+        for kind in ("record", "wait_event", "write_flags", "wait_flags", "copy_batch", "copy_2d", "copy_kernel"):
+            setattr(self, kind, lambda stream, *args, kind=kind: self.ops.append((kind, stream, args)))
+
+    def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype_code, ctas, sum_kernel):
+        self.ops.append(("sum", stream, (out, staged, segments, first, count, alpha, accumulate,
+                                         self.DTYPES[dtype_code], ctas)))
+
+    def set_outputs(self, events, ring) -> None:
+        self.outputs = list(events)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def replay(self, caller_stream, base: int) -> list:
+        dev, events = self.device, [None] * self.num_events
+        for kind, stream, args in self.ops:
+            stream = caller_stream if stream == EmulatedNativeLib.CALLER_STREAM else stream
+            if kind == "record":
+                events[args[0]] = dev.record(stream)
+            elif kind == "wait_event":
+                dev.wait_event(stream, events[args[0]])
+            elif kind in ("write_flags", "wait_flags"):
+                getattr(dev, kind)(stream, args[0], base + args[1])
+            else:
+                getattr(dev, kind)(stream, *args)
+        return [events[e] for e in self.outputs]
 
 
 def shared_memory_allocator(group, tag: str):

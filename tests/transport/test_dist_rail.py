@@ -42,8 +42,10 @@ def _node_only(alloc, topo: Topology, rank: int):
 
 
 def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0,
-               **config):
-    dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s)
+               segmented=True, **config):
+    """Recordings compiled into segments between their host steps, as on GPUs (``segmented``), or
+    replayed operation by operation."""
+    dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, segmented=segmented)
     alloc = _node_only(shared_memory_allocator(dist.group.WORLD, tag), topo, dist.get_rank())
     config = TIDEConfig(timeout_s=timeout_s, rail="nccl", **config)
     t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
@@ -51,11 +53,11 @@ def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=30.0, copy_de
     return t, dev, alloc
 
 
-def _collectives(rank, world_size, nodes, seed, tag, wave_width):
+def _collectives(rank, world_size, nodes, seed, tag, wave_width, segmented):
     """Two all-gathers and three reduce-scatters (bf16; fp32 with alpha and accumulate) per layout,
     the same buffers each time (recorded programs replayed), against the reference transport."""
     topo = Topology(nodes, world_size // nodes)
-    t, dev, alloc = _transport(topo, tag, wave_width=wave_width, chunk_mib=4096 / (1 << 20))
+    t, dev, alloc = _transport(topo, tag, wave_width=wave_width, chunk_mib=4096 / (1 << 20), segmented=segmented)
     reference = ReferenceTransport(topo, wave_width=wave_width)
     rng = np.random.default_rng(seed)
     try:
@@ -88,20 +90,22 @@ def _collectives(rank, world_size, nodes, seed, tag, wave_width):
             assert torch.equal(out, expect), ("reduce_scatter", call, (out - expect).abs().max())
         t.synchronize()
         assert not dev.errors, dev.errors
-        return dev.host_steps, len(t.inbox.landing)
+        segments = sum(part[0] == "segment" for p in t._programs.values() if hasattr(p, "parts") for part in p.parts)
+        return dev.host_steps, len(t.inbox.landing), segments
     finally:
         shut_down(dev, alloc)
 
 
-@pytest.mark.parametrize("nodes,gpus_per_node,wave_width", [(2, 1, None), (2, 2, None), (3, 2, 2), (4, 2, 2),
-                                                            (5, 1, None)])
-def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wave_width):
+@pytest.mark.parametrize("nodes,gpus_per_node,wave_width,segmented", [
+    (2, 1, None, True), (2, 2, None, True), (3, 2, 2, True), (4, 2, 2, True), (5, 1, None, True),
+    (2, 2, None, False)])
+def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wave_width, segmented):
     world = nodes * gpus_per_node
-    results = run_distributed(_collectives, world, args=(nodes, 11 + world, uuid.uuid4().hex[:8], wave_width),
-                              timeout=300)
-    steps, _ = results[0]
+    results = run_distributed(_collectives, world, timeout=300,
+                              args=(nodes, 11 + world, uuid.uuid4().hex[:8], wave_width, segmented))
+    steps, _, segments = results[0]
     assert all(r == results[0] for r in results), results  # every rank issued the same exchanges
-    assert steps > 0
+    assert steps > 0 and (segments > 0) == segmented, results
 
 
 def _adapter_parity(rank, world_size, tag):

@@ -12,7 +12,8 @@ A recording may also hold host steps (``host_step(stream, step)``): work that on
 such as the ``nccl`` rail's grouped send/recv through torch.distributed. A backend runs
 ``step.issue()`` with ``stream`` current, so the step is ordered after the stream's earlier work
 and the stream's later work after the step (what ProcessGroupNCCL does with its internal stream).
-A recording with host steps is replayed operation by operation (``ReplayedProgram``).
+On GPUs a recording with host steps is cut at them into compiled segments
+(``tide_core.runtime.device.SegmentedProgram``).
 """
 
 from __future__ import annotations

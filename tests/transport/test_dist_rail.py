@@ -109,9 +109,11 @@ def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wav
 
 
 def _adapter_parity(rank, world_size, tag):
-    """FSDP2 (fp32, 2 ranks as 2 nodes x 1 GPU) trained through the adapter on the CUDA transport
-    over the nccl rail (emulated device, gloo rail group) against stock FSDP2."""
-    import dataclasses
+    """FSDP2 (fp32, 2 ranks on 2 "hosts": 2 nodes x 1 GPU) trained through the adapter on the CUDA
+    transport (emulated device) against stock FSDP2. The hosts are told apart by hostname, so the
+    adapter detects the topology and that the group spans hosts, and ``rail="auto"`` picks the
+    nccl rail (gloo rail group here)."""
+    import socket
 
     import tide_core
     from tests.fsdp.test_adapter import build, full_params, max_diff, train
@@ -122,17 +124,19 @@ def _adapter_parity(rank, world_size, tag):
     created = []
 
     def emulated_transport(kind, topology, group, *, device, config, single_host):
-        dev = EmulatedDevice()
+        assert (kind, config.rail, single_host, topology.nodes) == ("auto", "auto", False, 2)
+        dev = EmulatedDevice(segmented=True)
         alloc = _node_only(shared_memory_allocator(group, f"{tag}{len(created)}"), topology, dist.get_rank(group))
-        t = CudaTransport(topology, group, config=dataclasses.replace(config, rail="nccl"), device=torch.device("cpu"),
-                          backend=dev, allocator=alloc, single_host=False)
+        t = CudaTransport(topology, group, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
+                          single_host=single_host)
         created.append((t, dev, alloc))
         return t
 
     adapter.make_transport, stock_make = emulated_transport, adapter.make_transport
+    socket.gethostname, hostname = (lambda: f"host{rank}"), socket.gethostname
     try:
         model = build()
-        handle = tide_core.install(model, gpus_per_node=1)
+        handle = tide_core.install(model)
         assert len(handle.served_groups) == 5 and "nccl rail" in handle.report(), handle.report()
         losses = train(model, rank)
         stats = handle.stats()
@@ -141,7 +145,7 @@ def _adapter_parity(rank, world_size, tag):
         tide_core.uninstall(model)
         return diff, max(abs(a - b) for a, b in zip(losses, stock_losses)), stats["all_gathers"], host_steps
     finally:
-        adapter.make_transport = stock_make
+        adapter.make_transport, socket.gethostname = stock_make, hostname
         for _, dev, alloc in created:
             shut_down(dev, alloc)
 

@@ -244,3 +244,61 @@ def test_nccl_rail_faults_are_detected(name):
     assert observed == expected, (name, outcomes)
     for o in outcomes:  # fail-stop: a starved rank names the call it waited for instead of hanging
         assert o["timeout"] is None or "did not complete within" in o["timeout"], o
+
+
+def _hsdp_across_hosts(rank, world_size, tag):
+    """HSDP on 2 "hosts" x 2 ranks with shard groups {0, 2} and {1, 3} (one rank per host: 2 x 1
+    each) and replicas inside each host: TIDE serves both shard groups over the nccl rail, FSDP2's
+    all-reduce across replicas stays; fp32 results bitwise those of stock HSDP."""
+    import socket
+
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tide_core
+    from tests.fsdp.models import TinyLM
+    from tests.fsdp.test_adapter import full_params, max_diff, train
+    from tide_core.fsdp import adapter
+
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2).t(), mesh_dim_names=("replicate", "shard"))
+
+    def build():
+        torch.manual_seed(0)
+        model = TinyLM(layers=2)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        return fully_shard(model, mesh=mesh)
+
+    stock = build()
+    stock_losses = train(stock, rank, steps=3)
+    created = []
+
+    def emulated_transport(kind, topology, group, *, device, config, single_host):
+        assert (single_host, topology.nodes, topology.gpus_per_node) == (False, 2, 1)
+        dev = EmulatedDevice(segmented=True)
+        first = dist.get_process_group_ranks(group)[0]  # shard groups allocate apart
+        alloc = _node_only(shared_memory_allocator(group, f"{tag}g{first}"), topology, dist.get_rank(group))
+        t = CudaTransport(topology, group, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
+                          single_host=single_host)
+        created.append((t, dev, alloc))
+        return t
+
+    adapter.make_transport, stock_make = emulated_transport, adapter.make_transport
+    socket.gethostname, hostname = (lambda: f"host{rank // 2}"), socket.gethostname
+    try:
+        model = build()
+        handle = tide_core.install(model)
+        served = len(handle.served_groups)
+        losses = train(model, rank, steps=3)
+        diff = max_diff(full_params(model), full_params(stock))
+        tide_core.uninstall(model)
+        return served, len(created), diff, max(abs(a - b) for a, b in zip(losses, stock_losses))
+    finally:
+        adapter.make_transport, socket.gethostname = stock_make, hostname
+        for _, dev, alloc in created:
+            shut_down(dev, alloc)
+
+
+def test_hsdp_with_shard_groups_across_hosts_is_bitwise_stock():
+    results = run_distributed(_hsdp_across_hosts, 4, args=(uuid.uuid4().hex[:8],), timeout=300)
+    assert all(r == (3, 1, 0.0, 0.0) for r in results), results

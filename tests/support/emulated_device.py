@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tide_core.runtime.program import ReplayedProgram
+from tide_core.runtime.program import CALLER, ProgramRecorder, ReplayedProgram
 
 _WORD = ctypes.c_uint32
 
@@ -285,39 +285,30 @@ class EmulatedNativeLib:
 
 
 class EmulatedStreamProgram:
-    """tide_core._C.StreamProgram's interface: operations added once, replayed with a flag base;
-    each replay records fresh events and returns those of ``set_outputs``."""
+    """tide_core._C.StreamProgram's interface: operations added once (kept in a ProgramRecorder's
+    format), replayed with a flag base through ``ReplayedProgram``."""
 
     DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
 
     def __init__(self, device: EmulatedDevice, num_events: int):
-        self.device, self.num_events, self.ops, self.outputs = device, num_events, [], []
+        self.device, self.recording, self.outputs = device, ProgramRecorder(base=0, num_events=num_events), []
         for kind in ("record", "wait_event", "write_flags", "wait_flags", "copy_batch", "copy_2d", "copy_kernel"):
-            setattr(self, kind, lambda stream, *args, kind=kind: self.ops.append((kind, stream, args)))
+            setattr(self, kind, lambda stream, *args, kind=kind: self._add(kind, stream, *args))
+
+    def _add(self, kind, stream, *args) -> None:
+        self.recording.ops.append((kind, CALLER if stream == EmulatedNativeLib.CALLER_STREAM else stream, *args))
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype_code, ctas, sum_kernel):
-        self.ops.append(("sum", stream, (out, staged, segments, first, count, alpha, accumulate,
-                                         self.DTYPES[dtype_code], ctas)))
+        self._add("sum", stream, out, staged, segments, first, count, alpha, accumulate, self.DTYPES[dtype_code], ctas)
 
     def set_outputs(self, events, ring) -> None:
         self.outputs = list(events)
 
     def __len__(self) -> int:
-        return len(self.ops)
+        return len(self.recording.ops)
 
     def replay(self, caller_stream, base: int) -> list:
-        dev, events = self.device, [None] * self.num_events
-        for kind, stream, args in self.ops:
-            stream = caller_stream if stream == EmulatedNativeLib.CALLER_STREAM else stream
-            if kind == "record":
-                events[args[0]] = dev.record(stream)
-            elif kind == "wait_event":
-                dev.wait_event(stream, events[args[0]])
-            elif kind in ("write_flags", "wait_flags"):
-                getattr(dev, kind)(stream, args[0], base + args[1])
-            else:
-                getattr(dev, kind)(stream, *args)
-        return [events[e] for e in self.outputs]
+        return ReplayedProgram(self.device, self.recording, self.outputs).replay(caller_stream, base)
 
 
 def shared_memory_allocator(group, tag: str):

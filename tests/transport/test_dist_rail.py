@@ -108,54 +108,21 @@ def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wav
     assert steps > 0 and (segments > 0) == segmented, results
 
 
-def _adapter_parity(rank, world_size, tag):
-    """FSDP2 (fp32, 2 ranks on 2 "hosts": 2 nodes x 1 GPU) trained through the adapter on the CUDA
-    transport (emulated device) against stock FSDP2. The hosts are told apart by hostname, so the
-    adapter detects the topology and that the group spans hosts, and ``rail="auto"`` picks the
-    nccl rail (gloo rail group here)."""
-    import socket
+def _emulated_transports(tag: str, created: list, nodes: int):
+    """A stand-in for the adapter's ``make_transport``: the CUDA transport on an emulated device for
+    every shard group, checking that the adapter saw a group across ``nodes`` hosts with rail "auto"."""
 
-    import tide_core
-    from tests.fsdp.test_adapter import build, full_params, max_diff, train
-    from tide_core.fsdp import adapter
-
-    stock = build()
-    stock_losses = train(stock, rank)
-    created = []
-
-    def emulated_transport(kind, topology, group, *, device, config, single_host):
-        assert (kind, config.rail, single_host, topology.nodes) == ("auto", "auto", False, 2)
+    def make(kind, topology, group, *, device, config, single_host):
+        assert (kind, config.rail, single_host, topology.nodes) == ("auto", "auto", False, nodes)
         dev = EmulatedDevice(segmented=True)
-        alloc = _node_only(shared_memory_allocator(group, f"{tag}{len(created)}"), topology, dist.get_rank(group))
+        first = dist.get_process_group_ranks(group)[0]  # shard groups allocate apart
+        alloc = _node_only(shared_memory_allocator(group, f"{tag}g{first}"), topology, dist.get_rank(group))
         t = CudaTransport(topology, group, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
                           single_host=single_host)
         created.append((t, dev, alloc))
         return t
 
-    adapter.make_transport, stock_make = emulated_transport, adapter.make_transport
-    socket.gethostname, hostname = (lambda: f"host{rank}"), socket.gethostname
-    try:
-        model = build()
-        handle = tide_core.install(model)
-        assert len(handle.served_groups) == 5 and "nccl rail" in handle.report(), handle.report()
-        losses = train(model, rank)
-        stats = handle.stats()
-        host_steps = sum(dev.host_steps for _, dev, _ in created)
-        diff = max_diff(full_params(model), full_params(stock))
-        tide_core.uninstall(model)
-        return diff, max(abs(a - b) for a, b in zip(losses, stock_losses)), stats["all_gathers"], host_steps
-    finally:
-        adapter.make_transport, socket.gethostname = stock_make, hostname
-        for _, dev, alloc in created:
-            shut_down(dev, alloc)
-
-
-def test_adapter_over_the_nccl_rail_trains_bitwise_like_stock_fsdp2():
-    results = run_distributed(_adapter_parity, 2, args=(uuid.uuid4().hex[:8],), timeout=300)
-    for diff, loss_diff, all_gathers, host_steps in results:
-        # two ranks: a + b is the only association, so fp32 training is bitwise that of stock FSDP2
-        assert diff == 0.0 and loss_diff == 0.0, results
-        assert all_gathers > 0 and host_steps > 0, results
+    return make
 
 
 def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, slowed_rank, stop_after, config):
@@ -246,10 +213,12 @@ def test_nccl_rail_faults_are_detected(name):
         assert o["timeout"] is None or "did not complete within" in o["timeout"], o
 
 
-def _hsdp_across_hosts(rank, world_size, tag):
-    """HSDP on 2 "hosts" x 2 ranks with shard groups {0, 2} and {1, 3} (one rank per host: 2 x 1
-    each) and replicas inside each host: TIDE serves both shard groups over the nccl rail, FSDP2's
-    all-reduce across replicas stays; fp32 results bitwise those of stock HSDP."""
+def _train_through_adapter(rank, world_size, tag, hsdp):
+    """FSDP2 (fp32, TinyLM) trained through the adapter on the CUDA transport (emulated device)
+    against stock FSDP2, the ranks told apart as hosts by hostname, so the adapter detects the
+    topology and that each shard group spans hosts, and ``rail="auto"`` picks the nccl rail (gloo
+    rail groups here). ``hsdp``: 2 "hosts" x 2 ranks, HSDP with shard groups {0, 2} and {1, 3} (one
+    rank per host) and replicas inside each host; else 2 ranks on 2 hosts, plain FSDP2."""
     import socket
 
     from torch.distributed.device_mesh import DeviceMesh
@@ -260,7 +229,7 @@ def _hsdp_across_hosts(rank, world_size, tag):
     from tests.fsdp.test_adapter import full_params, max_diff, train
     from tide_core.fsdp import adapter
 
-    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2).t(), mesh_dim_names=("replicate", "shard"))
+    mesh = DeviceMesh("cpu", torch.arange(4).view(2, 2).t(), mesh_dim_names=("replicate", "shard")) if hsdp else None
 
     def build():
         torch.manual_seed(0)
@@ -272,33 +241,31 @@ def _hsdp_across_hosts(rank, world_size, tag):
     stock = build()
     stock_losses = train(stock, rank, steps=3)
     created = []
-
-    def emulated_transport(kind, topology, group, *, device, config, single_host):
-        assert (single_host, topology.nodes, topology.gpus_per_node) == (False, 2, 1)
-        dev = EmulatedDevice(segmented=True)
-        first = dist.get_process_group_ranks(group)[0]  # shard groups allocate apart
-        alloc = _node_only(shared_memory_allocator(group, f"{tag}g{first}"), topology, dist.get_rank(group))
-        t = CudaTransport(topology, group, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
-                          single_host=single_host)
-        created.append((t, dev, alloc))
-        return t
-
-    adapter.make_transport, stock_make = emulated_transport, adapter.make_transport
-    socket.gethostname, hostname = (lambda: f"host{rank // 2}"), socket.gethostname
+    adapter.make_transport, stock_make = _emulated_transports(tag, created, nodes=2), adapter.make_transport
+    host = f"host{rank // 2 if hsdp else rank}"
+    socket.gethostname, hostname = (lambda: host), socket.gethostname
     try:
         model = build()
         handle = tide_core.install(model)
-        served = len(handle.served_groups)
+        assert "nccl rail" in handle.report(), handle.report()
         losses = train(model, rank, steps=3)
+        stats = handle.stats()
         diff = max_diff(full_params(model), full_params(stock))
         tide_core.uninstall(model)
-        return served, len(created), diff, max(abs(a - b) for a, b in zip(losses, stock_losses))
+        return (len(handle.served_groups), len(created), diff, max(abs(x - y) for x, y in zip(losses, stock_losses)),
+                stats["all_gathers"] > 0 and sum(dev.host_steps for _, dev, _ in created) > 0)
     finally:
         adapter.make_transport, socket.gethostname = stock_make, hostname
         for _, dev, alloc in created:
             shut_down(dev, alloc)
 
 
+def test_adapter_over_the_nccl_rail_trains_bitwise_like_stock_fsdp2():
+    results = run_distributed(_train_through_adapter, 2, args=(uuid.uuid4().hex[:8], False), timeout=300)
+    # two ranks: a + b is the only association, so fp32 training is bitwise that of stock FSDP2
+    assert all(r == (3, 1, 0.0, 0.0, True) for r in results), results
+
+
 def test_hsdp_with_shard_groups_across_hosts_is_bitwise_stock():
-    results = run_distributed(_hsdp_across_hosts, 4, args=(uuid.uuid4().hex[:8],), timeout=300)
-    assert all(r == (3, 1, 0.0, 0.0) for r in results), results
+    results = run_distributed(_train_through_adapter, 4, args=(uuid.uuid4().hex[:8], True), timeout=300)
+    assert all(r == (3, 1, 0.0, 0.0, True) for r in results), results

@@ -121,6 +121,37 @@ class _InboxPlan:
     land_after: list  # landing kernel k is enqueued after the Level 1 of waves < land_after[k]
 
 
+class _Level2Puts:
+    """Level 2's rail operations of one reduce-scatter call on a one-sided rail (``p2p``): puts
+    into the receiver's inbox block after its credit word for that block, a data signal after each
+    step, and credits returned to the sender of a block's next use."""
+
+    def __init__(self, t: "CudaTransport", dev, base_seq: int, end: int):
+        self.t, self.dev, self.end = t, dev, end
+        self.data_slot, self.credit_slot = t._rs_rail_slot(RS_RAIL_DATA), t._rs_rail_slot(RS_RAIL_CREDIT)
+        self.skip = t.rs_calls in t.faults.get("rail_skip_signal", ())
+
+    def wait_credit(self, stream, c: int, m: int, value: int) -> None:
+        self.t.rail.wait(self.dev, stream, m, self.credit_slot, value)
+
+    def send(self, stream, c: int, m: int, chunk) -> None:
+        t = self.t
+        t.rail.put(self.dev, stream, m, t.rs_blocks, [t._inbox_offset(c) + chunk.start * 4],
+                   [t._outbox(c) + chunk.start * 4], [chunk.length * 4])
+
+    def sent(self, stream, m: int) -> None:
+        if not self.skip:
+            self.t.rail.signal(self.dev, stream, m, self.data_slot, self.end)
+
+    def arrived(self, stream, cc: int, sent: dict) -> None:
+        """``stream`` waits for contributor cc's partial (``sent``: this rank's step events)."""
+        t = self.t
+        t.rail.wait(self.dev, stream, (t.node - cc) % t.topology.nodes, self.data_slot, self.end)
+
+    def credit(self, stream, cc: int, sender_node: int, value: int) -> None:
+        self.t.rail.signal(self.dev, stream, sender_node, self.credit_slot, value)
+
+
 class CudaTransport(Transport):
     name = "cuda"
 
@@ -719,10 +750,6 @@ class CudaTransport(Transport):
         dev.wait_event(self.s_sum, start)
         if self.rail is None:  # one node: Level 1 is the whole collective
             self._record_level1(dev, layout, steps[0], grads, out.data_ptr(), alpha, accumulate, base_seq)
-        elif self.rail.two_sided:
-            from tide_core.transport.two_sided import record_reduce_scatter_level2
-
-            record_reduce_scatter_level2(self, dev, layout, steps, grads, out, alpha, accumulate, base_seq, start)
         else:
             self._record_rs_level2(dev, layout, steps, grads, out, alpha, accumulate, base_seq, start)
         return [dev.record(self.s_push), dev.record(self.s_sum)]
@@ -779,11 +806,12 @@ class CudaTransport(Transport):
         Per wave w of contributors, in order (the two-phase pipeline, one wave of lag):
         1. Level 1 of the wave's steps (``_record_level1``) writes fp32 node partials: c < M into
            outbox block (c - 1) mod n_out (after the put of step c - n_out read it), c = M (the own
-           node) into the spare. After each chunk's sum the rail stream puts that chunk into
-           contributor c's inbox block at rank (m, u) (the destination's rail peer), having first
-           waited for that rank's credit for the block: the read of its previous use, in this call
-           (value ``base_seq + use - 1``) or the previous one (``base_seq``, the previous ``end``).
-           A data signal follows the step's last chunk.
+           node) into the spare. After each chunk's sum the rail stream sends that chunk into
+           contributor c's inbox block at rank (m, u) (the destination's rail peer), the step's first
+           chunk after the block's credit: the read of its previous use, in this call (value
+           ``base_seq + use - 1``) or the previous one (``base_seq``, the previous ``end``). How
+           the rail sends, signals and credits: ``_Level2Puts`` (one-sided rails) or
+           ``two_sided.Level2Exchanges``.
         2. Relays (L > 1): a rank holding contributor cc's block for node peer v = (u + cc) mod L
            tells v when it arrived.
         3. The landing kernels of the previous wave (``inbox.land_after``): the sum kernel reads
@@ -798,9 +826,7 @@ class CudaTransport(Transport):
         W, n_waves = waves.wave_width, len(waves.waves)
         E = layout.total_shard_numel
         end = base_seq + sum(len(step.chunks) for step in steps)
-        data_slot, credit_slot = self._rs_rail_slot(RS_RAIL_DATA), self._rs_rail_slot(RS_RAIL_CREDIT)
-        call = self.rs_calls
-        credits_on = call < self.faults.get("rail_drop_credit_from", float("inf"))
+        credits_on = self.rs_calls < self.faults.get("rail_drop_credit_from", float("inf"))
         n_out = waves.outbox_depth
 
         def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
@@ -809,12 +835,18 @@ class CudaTransport(Transport):
         def block(holder: int, cc: int) -> int:  # contributor cc's block in node peer ``holder``'s inbox
             return self.rs_blocks.peer_ptrs[topo.rank(n, holder)] + self._inbox_offset(cc)
 
+        if rail.two_sided:
+            from tide_core.transport.two_sided import Level2Exchanges as link_kind
+        else:
+            link_kind = _Level2Puts
+        link = link_kind(self, dev, base_seq, end)
+
         def return_credit(stream, cc: int) -> None:  # cc's block was read: free it for its next use
             nxt = inbox.next_use[cc]
             if nxt is None:
-                rail.signal(dev, stream, sender(inbox.first_use[cc]), credit_slot, end)
+                link.credit(stream, cc, sender(inbox.first_use[cc]), end)
             else:
-                rail.signal(dev, stream, sender(nxt), credit_slot, base_seq + inbox.use[cc])
+                link.credit(stream, cc, sender(nxt), base_seq + inbox.use[cc])
 
         # The outbox is rewritten below: the previous call's puts must be done.
         dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
@@ -823,7 +855,7 @@ class CudaTransport(Transport):
         first_seq, q = {}, base_seq  # steps come in contributor order, as their chunk numbers do
         for step in steps:
             first_seq[step.contributor], q = q, q + len(step.chunks)
-        sent = {}  # step -> event after its puts
+        sent = {}  # step -> event after its rail transfers
         single = len(inbox.landing) == 1
         total = self._wave_total()
         for w in range(n_waves + 1):
@@ -837,19 +869,17 @@ class CudaTransport(Transport):
                     dev.wait_event(self.s_sum, sent[c - n_out])
                 credit = base_seq + inbox.use[c] - 1
 
-                def put_chunk(k, chunk, c=c, m=m, credit=credit):
+                def send_chunk(k, chunk, c=c, m=m, credit=credit):
                     dev.wait_event(self.s_rs_rail, dev.record(self.s_sum))
                     if k == 0 and not self.faults.get("rail_early_reuse"):
-                        rail.wait(dev, self.s_rs_rail, m, credit_slot, credit)
-                    rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
-                             [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
+                        link.wait_credit(self.s_rs_rail, c, m, credit)
+                    link.send(self.s_rs_rail, c, m, chunk)
 
-                self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq[c], put_chunk)
-                if call not in self.faults.get("rail_skip_signal", ()):
-                    rail.signal(dev, self.s_rs_rail, m, data_slot, end)
+                self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq[c], send_chunk)
+                link.sent(self.s_rs_rail, m)
                 sent[c] = dev.record(self.s_rs_rail)
             for cc in (cc for cc in held if (cc - 1) // W == w):
-                rail.wait(dev, self.s_relay, sender(cc), data_slot, end)
+                link.arrived(self.s_relay, cc, sent)
                 dev.write_flags(self.s_relay, [self.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
             for k, group in enumerate(inbox.landing):
                 if inbox.land_after[k] != w:
@@ -859,7 +889,7 @@ class CudaTransport(Transport):
                     if cc == M:
                         continue  # the spare: written by this rank's own Level 1, earlier on this stream
                     if holder == u:
-                        rail.wait(dev, self.s_sum, sender(cc), data_slot, end)
+                        link.arrived(self.s_sum, cc, sent)
                     else:
                         dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
                 self._record_landing(dev, [block(waves.inbox_gpu(u, cc), cc) for cc in group], E, out, total, single,

@@ -77,98 +77,39 @@ def record_all_gather_rounds(t, dev, e: int, start: int, layout, shards, landing
     return dev.record(s_recv)
 
 
-def record_reduce_scatter_level2(t, dev, layout, steps, grads, out, alpha, accumulate, base_seq, start) -> None:
-    """Multi-node reduce-scatter over the two-sided rail: ``CudaTransport._record_rs_level2`` with
-    each Level-1 chunk's rail put replaced by one exchange (send chunk k of the partial for node
-    n + c, receive chunk k of contributor c's partial from node n - c into its inbox block). Before
-    a step's first exchange the send stream waits for the block's credit word: the read of its
-    previous use, in this call (value ``base_seq + use - 1``) or the previous one (its ``end``),
-    reported by this rank's landing kernel or by the node peer that read it (RS_READ)."""
-    from tide_core.transport.cuda import RS_INBOX, RS_READ
+class Level2Exchanges:
+    """Level 2's rail operations of one reduce-scatter call on the two-sided rail: step c is one
+    exchange per Level-1 chunk (send chunk k of the partial for node n + c, receive chunk k of
+    contributor c's partial from node n - c into its inbox block), a shift permutation every rank
+    issues in the same order. Before a step's first exchange the stream waits for this rank's credit
+    word of the block it receives into (the read of the block's previous use, reported by this
+    rank's landing kernel or by the node peer that read it); contributor c's partial has arrived
+    when step c's exchanges completed."""
 
-    topo, rail, waves, inbox, faults = t.topology, t.rail, t.waves, t.inbox, t.faults
-    M, L, n, u = topo.nodes, topo.gpus_per_node, t.node, t.local
-    W, n_waves = waves.wave_width, len(waves.waves)
-    E = layout.total_shard_numel
-    end = base_seq + sum(len(step.chunks) for step in steps)
-    call = t.rs_calls
-    credits_on = call < faults.get("rail_drop_credit_from", float("inf"))
-    skip = call in faults.get("rail_skip_signal", ())
-    n_out = waves.outbox_depth
-    first_word = num_rounds(M)  # after the all-gather's stage areas
+    def __init__(self, t, dev, base_seq: int, end: int):
+        self.t, self.dev = t, dev
+        self.skip = t.rs_calls in t.faults.get("rail_skip_signal", ())
+        self.first_word = num_rounds(t.topology.nodes)  # after the all-gather's stage areas
 
-    def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
-        return (n - cc) % M
+    def _word(self, c: int) -> int:
+        return self.t.rail.credit_word(self.first_word + self.t.inbox.index[c])
 
-    def block(holder: int, cc: int) -> int:  # contributor cc's block in node peer ``holder``'s inbox
-        return t.rs_blocks.peer_ptrs[topo.rank(n, holder)] + t._inbox_offset(cc)
+    def wait_credit(self, stream, c: int, m: int, value: int) -> None:
+        self.dev.wait_flags(stream, [self._word(c)], value)
 
-    def credit_word(cc: int) -> int:
-        return rail.credit_word(first_word + inbox.index[cc])
+    def send(self, stream, c: int, m: int, chunk) -> None:
+        if self.skip and c == 1:  # fault "skip a round": contributor 1's exchanges are never issued
+            return
+        t, nbytes = self.t, chunk.length * 4
+        t.rail.exchange(self.dev, stream, [(m, _bytes(t._outbox(c) + chunk.start * 4, nbytes, t.device))],
+                        [((t.node - c) % t.topology.nodes,
+                          t.rs_blocks.tensor(t._inbox_offset(c) + chunk.start * 4, nbytes, torch.uint8))])
 
-    def return_credit(stream, cc: int) -> None:  # cc's block was read: it may receive its next use
-        if credits_on:
-            dev.write_flags(stream, [credit_word(cc)], end if inbox.next_use[cc] is None else base_seq + inbox.use[cc])
+    def sent(self, stream, m: int) -> None:
+        """Nothing to signal: the exchanges' completion is the arrival."""
 
-    # The outbox is rewritten below: the previous call's exchanges must be done.
-    dev.wait_event(t.s_sum, dev.record(t.s_rs_rail))
-    dev.wait_event(t.s_relay, start)
-    held = {cc: (u + cc) % L for cc in range(1, M) if (u + cc) % L != u}  # my blocks node peers read
-    first_seq, q = {}, base_seq
-    for step in steps:
-        first_seq[step.contributor], q = q, q + len(step.chunks)
-    arrived = {}  # contributor -> event after its exchanges (my partial for it sent, its partial received)
-    single = len(inbox.landing) == 1
-    total = t._wave_total()
-    for w in range(n_waves + 1):
-        for step in (s for s in steps if (s.contributor - 1) // W == w):
-            c, m = step.contributor, step.dest_node
-            if c == M:
-                t._record_level1(dev, layout, step, grads, t.rs_blocks.ptr + t._inbox_offset(M), 1.0, False,
-                                 first_seq[c])
-                continue
-            if c - n_out in arrived:  # the outbox block is recycled: its previous partial must be sent
-                dev.wait_event(t.s_sum, arrived[c - n_out])
+    def arrived(self, stream, cc: int, sent: dict) -> None:
+        self.dev.wait_event(stream, sent[cc])  # step cc received contributor cc's partial
 
-            def exchange_chunk(k, chunk, c=c, m=m):
-                dev.wait_event(t.s_rs_rail, dev.record(t.s_sum))
-                if k == 0 and not faults.get("rail_early_reuse"):
-                    dev.wait_flags(t.s_rs_rail, [credit_word(c)], base_seq + inbox.use[c] - 1)
-                if skip and c == 1:  # fault "skip a round": contributor 1's exchanges are never issued
-                    return
-                nbytes = chunk.length * 4
-                rail.exchange(dev, t.s_rs_rail, [(m, _bytes(t._outbox(c) + chunk.start * 4, nbytes, t.device))],
-                              [(sender(c), t.rs_blocks.tensor(t._inbox_offset(c) + chunk.start * 4,
-                                                              nbytes, torch.uint8))])
-
-            t._record_level1(dev, layout, step, grads, t._outbox(c), 1.0, False, first_seq[c], exchange_chunk)
-            arrived[c] = dev.record(t.s_rs_rail)
-        for cc in (cc for cc in held if (cc - 1) // W == w):
-            dev.wait_event(t.s_relay, arrived[cc])
-            dev.write_flags(t.s_relay, [t.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
-        for k, group in enumerate(inbox.landing):
-            if inbox.land_after[k] != w:
-                continue
-            for cc in group:
-                holder = waves.inbox_gpu(u, cc)
-                if cc == M:
-                    continue  # the spare: written by this rank's own Level 1, earlier on this stream
-                if holder == u:
-                    dev.wait_event(t.s_sum, arrived[cc])
-                else:
-                    dev.wait_flags(t.s_sum, [t.local_flag(RS_INBOX, holder)], base_seq + cc)
-            t._record_landing(dev, [block(waves.inbox_gpu(u, cc), cc) for cc in group], E, out, total, single, k,
-                              alpha, accumulate)
-            for cc in group:
-                holder = waves.inbox_gpu(u, cc)
-                if cc == M:
-                    continue
-                if holder == u:
-                    return_credit(t.s_sum, cc)
-                elif credits_on:
-                    dev.write_flags(t.s_sum, [t.peer_flag(holder, RS_READ, u)], base_seq + cc)
-            for cc in (cc for cc in group if cc in held):
-                dev.wait_flags(t.s_relay, [t.local_flag(RS_READ, held[cc])], base_seq + cc)
-                return_credit(t.s_relay, cc)
-    t._record_final_pass(dev, E, out, total, single, alpha, accumulate)
-    dev.wait_event(t.s_sum, dev.record(t.s_relay))
+    def credit(self, stream, cc: int, sender_node: int, value: int) -> None:
+        self.dev.write_flags(stream, [self._word(cc)], value)  # local: the block may receive again

@@ -892,8 +892,11 @@ class CudaTransport(Transport):
                         link.arrived(self.s_sum, cc, sent)
                     else:
                         dev.wait_flags(self.s_sum, [self.local_flag(RS_INBOX, holder)], base_seq + cc)
-                self._record_landing(dev, [block(waves.inbox_gpu(u, cc), cc) for cc in group], E, out, total, single,
-                                     k, alpha, accumulate)
+                blocks = [block(waves.inbox_gpu(u, cc), cc) for cc in group]
+                for lo, hi in chunk_pieces(E, self.piece_elems):  # slices (see sum_slice_mib)
+                    dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
+                            lo, hi - lo, float(alpha) if single else 1.0,
+                            bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
                     if cc == M or not credits_on:
@@ -907,25 +910,13 @@ class CudaTransport(Transport):
                     dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, held[cc])], base_seq + cc)
                     if credits_on:
                         return_credit(self.s_relay, cc)
-        self._record_final_pass(dev, E, out, total, single, alpha, accumulate)
-        dev.wait_event(self.s_sum, dev.record(self.s_relay))
-
-    def _record_landing(self, dev, blocks, E, out, total, single, k, alpha, accumulate) -> None:
-        """Landing kernel k of a call: the sum kernel reads ``blocks`` (fp32 partials where they lie)
-        in slices (see sum_slice_mib); a single landing kernel folds alpha and accumulate into
-        ``out``, several add into the running total ``total``."""
-        for lo, hi in chunk_pieces(E, self.piece_elems):
-            dev.sum(self.s_sum, out.data_ptr() if single else total, blocks[:-1], [(0, E, E, blocks[-1])],
-                    lo, hi - lo, float(alpha) if single else 1.0,
-                    bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
-
-    def _record_final_pass(self, dev, E, out, total, single, alpha, accumulate) -> None:
-        """One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
-        the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does."""
+        # One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
+        # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:
             for lo, hi in chunk_pieces(E, self.piece_elems):
                 dev.sum(self.s_sum, out.data_ptr(), [], [(0, E, E, total)], lo, hi - lo, float(alpha),
                         bool(accumulate), torch.float32, self.config.sum_ctas)
+        dev.wait_event(self.s_sum, dev.record(self.s_relay))
 
     def close(self) -> None:
         """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""

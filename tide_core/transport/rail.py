@@ -121,8 +121,9 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
                 return f"NCCL {shown} at {path} lacks {', '.join(missing)}"
         except OSError as exc:
             return f"NCCL {shown}: cannot open {path} ({exc})"
-    return (f"NCCL {shown} has host RMA, but TIDE's nccl_rma rail is not built yet "
-            "(see docs/multinode.md); use the reference transport across hosts")
+    return (f"NCCL {shown} has the host RMA API (which also needs a NIC with hostRmaSupport), but TIDE's "
+            "nccl_rma rail is not built yet "
+            "(see docs/multinode.md); rail='nccl' serves groups across hosts")
 
 
 def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool, groups=None):

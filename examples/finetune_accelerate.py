@@ -26,7 +26,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Meter, add_common_args, batch_iterator, build_model, comparison_table, encode_corpus  # noqa: E402
+from common import (HelpFormatter, Meter, add_common_args, batch_iterator, build_model,  # noqa: E402
+                    comparison_table, encode_corpus)
 
 import tide_accelerate  # noqa: E402
 from tide_core.fsdp.adapter import get_handle  # noqa: E402
@@ -53,10 +54,8 @@ def train(args, accelerator: Accelerator, tokens: torch.Tensor, *, stock: bool) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     with tide_accelerate.disabled() if stock else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    handle = get_handle(model)
-    name = "TIDE" if handle is not None else "stock FSDP2"
-    if handle is not None:
-        accelerator.print(handle.report())
+    # The install printed TIDE's report on the main process.
+    name = "TIDE" if get_handle(model) is not None else "stock FSDP2"
 
     meter = Meter(args.seq_len * args.batch_size * accelerator.num_processes)
     batches = batch_iterator(tokens, args.seq_len, args.batch_size, seed=args.seed, rank=accelerator.process_index)
@@ -73,14 +72,12 @@ def train(args, accelerator: Accelerator, tokens: torch.Tensor, *, stock: bool) 
         if accelerator.is_main_process and (step % args.log_every == 0 or step == args.steps):
             progress.write(f"{name} step {step}/{args.steps}: loss {metrics['loss']:.6f}, "
                            f"{metrics['tokens_per_s']:.0f} tokens/s, peak memory {metrics['peak_mem_gib']:.2f} GiB")
-    return meter.summary(name)
+    return meter.summary(name, get_handle(model))
 
 
 def main(argv=None) -> int:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__,
-                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
-    # None: the launch decides (the tide: section of the config / TIDE_* variables).
-    parser.set_defaults(mode=None, transport=None)
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter),
+                             tide_from_launch=True)
     parser.add_argument("--log-every", type=int, default=10, help="print loss, tokens/s and memory every N steps")
     args = parser.parse_args(argv)
 

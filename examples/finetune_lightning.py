@@ -18,7 +18,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import Meter, add_common_args, batch_iterator, build_model, comparison_table, encode_corpus  # noqa: E402
+from common import (HelpFormatter, Meter, add_common_args, batch_iterator, build_model,  # noqa: E402
+                    comparison_table, encode_corpus)
 
 import lightning as L  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -84,7 +85,7 @@ def run(args, strategy, name: str) -> dict:
     trainer.fit(module)
     if args.save_checkpoint and name == "tide":
         trainer.save_checkpoint(args.save_checkpoint)
-    summary = module.meter.summary(name)
+    summary = module.meter.summary(name, getattr(trainer.strategy, "tide_handle", None))
     # Free this run's model and optimizer so a following run's peak memory is its own.
     del trainer, module
     gc.collect()
@@ -94,9 +95,8 @@ def run(args, strategy, name: str) -> dict:
 
 
 def main(argv=None) -> int:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__,
-                                                     formatter_class=argparse.RawDescriptionHelpFormatter))
-    parser.add_argument("--log-dir", default="runs/lightning")
+    parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter))
+    parser.add_argument("--log-dir", default="runs/lightning", help="Lightning's CSV logs (tide/* metrics per step)")
     parser.add_argument("--save-checkpoint", default=None, help="save a (distributed) checkpoint of the TIDE run here")
     args = parser.parse_args(argv)
     rows = []

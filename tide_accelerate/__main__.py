@@ -2,6 +2,6 @@
 
 import sys
 
-from tide_accelerate.launch import main
+from tide_accelerate import main
 
 sys.exit(main())

@@ -4,23 +4,26 @@ Accelerate rejects unknown top-level keys in its config file, and exports only a
 ``FSDP_*`` variables to the workers (extra ``fsdp_config`` keys are dropped). So the ``tide:``
 section is taken out here and handed over as ``TIDE_*`` variables, which ``accelerate launch``
 passes on untouched; the rest of the YAML goes to ``accelerate launch`` as a config file of its
-own, and the script runs under ``tide_accelerate.run``, which enables TIDE before it starts.
+own (a private temporary file, deleted when the launch ends), and the script runs under
+``tide_accelerate.run``, which enables TIDE before it starts.
 """
 
 from __future__ import annotations
 
-import hashlib
+import difflib
 import os
+import signal
+import subprocess
 import sys
 import tempfile
 from dataclasses import fields
-from pathlib import Path
 
 import yaml
 from accelerate.commands.config import default_config_file
+from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig, load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 
-from tide_core.config import TIDEConfig
+from tide_core.config import TIDEConfig, parse_field
 
 USAGE = """\
 usage: tide-accelerate launch [--config_file CONFIG.yaml] [accelerate launch options] script.py [script args]
@@ -48,15 +51,38 @@ def main(argv: list[str] | None = None) -> int:
         launch_command_parser().print_help()
         return 0
     try:
-        command, env = build_command(argv[1:])
+        command, env, temp_config = build_command(argv[1:])
     except (OSError, ValueError) as exc:
         print(f"tide-accelerate: error: {exc}", file=sys.stderr)
         return 2
-    os.execve(command[0], command, env)
+    try:
+        return run(command, env)
+    finally:
+        if temp_config is not None:
+            os.unlink(temp_config)
 
 
-def build_command(argv: list[str], environ: dict | None = None) -> tuple[list[str], dict]:
-    """The ``accelerate launch`` command line and environment for ``tide-accelerate launch ARGV``."""
+def run(command: list[str], env: dict) -> int:
+    """Run ``accelerate launch`` to its end, passing termination signals on (the launcher stays
+    alive to delete its temporary config afterwards)."""
+    child = subprocess.Popen(command, env=env)
+    forwarded = (signal.SIGTERM, signal.SIGHUP)
+    previous = {sig: signal.signal(sig, lambda sig, _frame: child.send_signal(sig)) for sig in forwarded}
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # Ctrl-C reached the child too (same process group): wait for it
+                continue
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def build_command(argv: list[str], environ: dict | None = None) -> tuple[list[str], dict, str | None]:
+    """The ``accelerate launch`` command line and environment for ``tide-accelerate launch ARGV``, and
+    the temporary Accelerate config the command reads (None: none written); the caller deletes it
+    once the launch has ended."""
     # Accelerate's own parser tells its options from the script and the script's arguments.
     parsed = launch_command_parser().parse_args(argv)
     if parsed.no_python:
@@ -68,17 +94,19 @@ def build_command(argv: list[str], environ: dict | None = None) -> tuple[list[st
     config_file = parsed.config_file
     if config_file is None and os.path.isfile(default_config_file):
         config_file = default_config_file  # what accelerate launch would read
+    temp_config = None
     if config_file is not None:
         config, tide = read_config(config_file)
         env.update(tide_environment(tide, config_file))
-        options = ["--config_file", write_accelerate_config(config, config_file)] + options
+        temp_config = write_accelerate_config(config, config_file)
+        options = ["--config_file", temp_config] + options
         _warn_unless_fsdp2(config, config_file)
 
     # The user's -m (if any) stays among the options, where accelerate launch accepts it, and is
     # repeated for tide_accelerate.run, which then runs the target as a module.
     target = (["-m"] if parsed.module else []) + [parsed.training_script, *parsed.training_script_args]
     command = [sys.executable, "-m", "accelerate.commands.launch", *options, "-m", "tide_accelerate.run", *target]
-    return command, env
+    return command, env, temp_config
 
 
 def read_config(path: str) -> tuple[dict, dict]:
@@ -93,45 +121,62 @@ def read_config(path: str) -> tuple[dict, dict]:
     allowed = [f.name for f in fields(TIDEConfig)]
     for key in tide:
         if key not in allowed:
-            raise ValueError(f"{path}: unknown key {key!r} in the tide: section; allowed: {', '.join(allowed)}")
+            raise ValueError(f"{path}: unknown key {key!r} in the tide: section{_did_you_mean(key, allowed)}; "
+                             f"allowed: {', '.join(allowed)}")
+    # Checked here, against the user's file: accelerate launch would name the temporary copy.
+    config_class = ClusterConfig if config.get("compute_environment", "LOCAL_MACHINE") == "LOCAL_MACHINE" \
+        else SageMakerConfig
+    known = [*config_class.__dataclass_fields__, "fp16", "dynamo_backend"]  # the last two: older spellings
+    for key in config:
+        if key not in known:
+            raise ValueError(f"{path}: unknown top-level key {key!r}{_did_you_mean(key, [*known, 'tide'])}; "
+                             "Accelerate's config keys and TIDE's tide: section are allowed")
     return config, tide
 
 
 def tide_environment(tide: dict, path: str) -> dict:
     """``TIDE_<FIELD>`` variables in the form ``TIDEConfig.from_env`` parses, validated."""
-    env = {}
-    for key, value in tide.items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif value is None:
-            text = "none"
-        else:
-            text = str(value)
-        env[f"TIDE_{key.upper()}"] = text
+    env, values = {}, {}
+    by_name = {f.name: f for f in fields(TIDEConfig)}
     try:
-        # What every worker will do with exactly these strings: a bad value fails here, naming the
-        # option (mode/transport errors also list the allowed values).
-        TIDEConfig.from_env(environ=env)
+        for key, value in tide.items():
+            if isinstance(value, bool):
+                text = "true" if value else "false"
+            elif value is None:
+                text = "none"
+            else:
+                text = str(value)
+            env[f"TIDE_{key.upper()}"] = text
+            # What every worker will do with exactly this string: a bad value fails here, naming the key
+            # (mode/transport errors also list the allowed values).
+            values[key] = parse_field(by_name[key], text, key)
+        TIDEConfig(**values)
     except ValueError as exc:
         raise ValueError(f"{path}: tide: {exc}") from None
     return env
 
 
 def write_accelerate_config(config: dict, source: str) -> str:
-    """Write ``config`` where ``accelerate launch`` can read it; returns the path.
+    """Write ``config`` to a new private file (mode 0600, unpredictable name) that ``accelerate
+    launch`` reads; returns its path. Accelerate's own checks run on it here, and their errors name
+    ``source`` (the user's file), not the copy."""
+    fd, path = tempfile.mkstemp(prefix="tide-accelerate-", suffix=".yaml")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            yaml.safe_dump(config, f, sort_keys=False)
+        try:
+            load_config_from_file(path)
+        except (ValueError, TypeError, KeyError) as exc:
+            raise ValueError(f"{source}: {str(exc).replace(path, source)}") from None
+    except BaseException:
+        os.unlink(path)
+        raise
+    return path
 
-    ``main`` replaces itself with ``accelerate launch``, so nothing is left to delete the file: it is
-    named after its content and reused by later launches instead of piling up."""
-    text = yaml.safe_dump(config, sort_keys=False)
-    digest = hashlib.sha256(text.encode()).hexdigest()[:12]
-    folder = Path(tempfile.gettempdir()) / "tide-accelerate"
-    folder.mkdir(exist_ok=True)
-    path = folder / f"{Path(source).stem}-{digest}.yaml"
-    if not path.exists():
-        partial = folder / f".{path.name}.{os.getpid()}"
-        partial.write_text(text, encoding="utf-8")
-        os.replace(partial, path)  # concurrent launches see the whole file or none
-    return str(path)
+
+def _did_you_mean(key: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _without_config_file(options: list[str]) -> list[str]:

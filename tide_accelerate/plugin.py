@@ -10,7 +10,10 @@ hook and no plugin mechanism. TIDE therefore hooks in at one of two places:
 * ``TIDEAccelerator`` overrides the public ``prepare``: ``from tide_accelerate import TIDEAccelerator
   as Accelerator``.
 
-Both also let an FSDP2 launch run on a CPU-only machine (gloo), which Accelerate itself never does.
+Both print the install report once on the main process and, when trackers are configured
+(``Accelerator(log_with=...)`` and ``init_trackers``), log per-step ``tide/*`` metrics through
+``accelerator.log`` after every optimizer step. Both also let an FSDP2 launch run on a CPU-only
+machine (gloo), which Accelerate itself never does.
 """
 
 from __future__ import annotations
@@ -19,17 +22,21 @@ import contextlib
 import functools
 import inspect
 import os
+import weakref
 from dataclasses import dataclass, field
 
 import accelerate
 import accelerate.accelerator as accelerator_module
 import torch
 import torch.nn as nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 from accelerate import Accelerator
 from packaging.version import Version
 
 import tide_core
 from tide_core.config import TIDEConfig
+from tide_core.fsdp.adapter import get_handle
+from tide_core.fsdp.metrics import StepMetrics
 
 MIN_ACCELERATE = "1.15"
 
@@ -82,7 +89,7 @@ def enable(plugin: TIDEPlugin | None = None) -> TIDEPlugin:
         @functools.wraps(original)
         def fsdp2_prepare_model(accelerator, model):
             model = original(accelerator, model)
-            _install(model, _active_plugin)  # collective: every rank prepares, so every rank installs
+            _install(model, _active_plugin, accelerator)  # collective: every rank prepares, so every rank installs
             return model
 
         fsdp2_prepare_model.__tide_original__ = original
@@ -125,13 +132,47 @@ class TIDEAccelerator(Accelerator):
             # One argument comes back as itself; several as a list under FSDP2 (a tuple otherwise).
             for obj in result if isinstance(result, (list, tuple)) else (result,):
                 if isinstance(obj, nn.Module):
-                    _install(obj, self.tide_plugin)
+                    _install(obj, self.tide_plugin, self)
         return result
 
 
-def _install(model: nn.Module, plugin: TIDEPlugin) -> None:
-    if not _disabled_depth:
-        tide_core.install(model, config=plugin.config)
+def _install(model: nn.Module, plugin: TIDEPlugin, accelerator: Accelerator) -> None:
+    if _disabled_depth or get_handle(model) is not None:  # installed once per model: the first settings stay
+        return
+    handle = tide_core.install(model, config=plugin.config)
+    accelerator.print(handle.report())
+    _TrackerMetrics(accelerator, handle)
+
+
+class _TrackerMetrics:
+    """Logs ``StepMetrics`` through ``accelerator.log`` after each step of an optimizer over the
+    model's parameters, when the accelerator has trackers (on the main process: Accelerate creates
+    trackers there only). A step runs from one optimizer step to the next (gradient accumulation
+    included); the first from the install. ``step`` counts those optimizer steps from 1.
+
+    Accelerate offers no per-step hook, so this is a global ``torch.optim`` step post-hook; it holds
+    the model and accelerator weakly and removes itself once either is gone or TIDE was uninstalled."""
+
+    def __init__(self, accelerator: Accelerator, handle) -> None:
+        self._accelerator = weakref.ref(accelerator)
+        self._model = weakref.ref(handle.model)
+        self._param_ids = {id(p) for p in handle.model.parameters()}
+        self._metrics = StepMetrics(handle)
+        self._metrics.start()
+        self._step = 0
+        self._hook = register_optimizer_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        accelerator, model = self._accelerator(), self._model()
+        if accelerator is None or model is None or get_handle(model) is not self._metrics.handle:
+            self._hook.remove()
+            return
+        if not any(id(p) in self._param_ids for group in optimizer.param_groups for p in group["params"]):
+            return  # another model's optimizer
+        self._step += 1
+        if accelerator.trackers:  # else nothing, not even the per-step reset of CUDA's peak memory counter
+            accelerator.log(self._metrics.end(), step=self._step)
+            self._metrics.start()
 
 
 def _check_accelerate() -> None:

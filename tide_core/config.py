@@ -6,14 +6,18 @@ Precedence: explicit arguments > a ``TIDEConfig`` passed in (used as is) > envir
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
+import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
 MODES = ("in_place", "slot_reuse")
-TRANSPORTS = ("auto", "reference", "cuda")
-SUM_KERNELS = ("auto", "tma", "regs")
-RAILS = ("auto", "p2p", "nccl", "nccl_rma")
+#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
+#: (setup_env, gpu).
+OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_GPU_OUT", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
+                  "TIDE_AG_SWEEP", "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
+_warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about in this process
 
 
 @dataclass
@@ -78,42 +82,19 @@ class TIDEConfig:
         self.validate()
 
     def validate(self) -> "TIDEConfig":
+        from tide_core.fsdp.options import cuda_options
+        from tide_core.transport import TRANSPORTS
+
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
-        if self.sum_kernel not in SUM_KERNELS:
-            raise ValueError(f"sum_kernel={self.sum_kernel!r} is not supported; "
-                             f"choose one of {', '.join(SUM_KERNELS)}")
-        positive = {"max_params": self.max_params, "sum_ctas": self.sum_ctas, "chunk_slots": self.chunk_slots,
-                    "copy_lanes": self.copy_lanes, "local_copy_ctas": self.local_copy_ctas, "round_width": self.round_width}
-        for name, value in positive.items():
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if self.rail not in RAILS:
-            raise ValueError(f"rail={self.rail!r} is not supported; choose one of {', '.join(RAILS)}")
-        if not self.sum_slice_mib >= 0:
-            raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
-        if self.local_copy not in ("kernel", "ce"):
-            raise ValueError(f"local_copy={self.local_copy!r} is not supported; choose kernel or ce")
+        if not isinstance(self.max_params, int) or self.max_params < 1:
+            raise ValueError(f"max_params={self.max_params!r} must be an integer >= 1")
         if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
-        if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):
-            raise ValueError(f"wave_width={self.wave_width!r} must be an integer >= 1 or None")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
-        if not self.chunk_mib > 0:
-            raise ValueError(f"chunk_mib={self.chunk_mib!r} must be > 0")
+        cuda_options(self)  # the transport's options check themselves
         return self
-
-    @property
-    def chunk_bytes(self) -> int:
-        return int(self.chunk_mib * (1 << 20))
-
-    @property
-    def sum_slice_bytes(self) -> int:
-        """0: no slicing; else a multiple of 1 KiB (at least 1 KiB)."""
-        return 0 if self.sum_slice_mib == 0 else max(1024, int(self.sum_slice_mib * (1 << 20)) // 1024 * 1024)
 
     @classmethod
     def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":
@@ -121,10 +102,15 @@ class TIDEConfig:
         else the ``TIDE_*`` variables, else the defaults."""
         environ = os.environ if environ is None else environ
         values = dataclasses.asdict(base) if base is not None else {}
-        for f in fields(cls):
-            key = f"TIDE_{f.name.upper()}"
-            if base is None and key in environ:
-                values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
+        if base is None:
+            env_values = {}
+            for f in fields(cls):
+                key = env_var(f.name)
+                if key in environ and overrides.get(f.name) is None:  # an explicit argument wins, unread
+                    env_values[f.name] = parse_field(f, environ[key], f"environment variable {key}")
+            _check_env_values(cls, env_values, environ)
+            _warn_unknown_env_vars(environ)
+            values.update(env_values)
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
@@ -133,6 +119,39 @@ class TIDEConfig:
 
     def describe(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def env_var(field_name: str) -> str:
+    return f"TIDE_{field_name.upper()}"
+
+
+def _check_env_values(cls, env_values: dict, environ) -> None:
+    """Validate the values read from the environment, naming the variable that holds a bad one."""
+    try:
+        cls(**env_values)
+        return
+    except ValueError as exc:
+        error = exc
+    for name, value in env_values.items():  # which variable alone is invalid
+        try:
+            cls(**{name: value})
+        except ValueError as exc:
+            raise ValueError(f"environment variable {env_var(name)}={environ[env_var(name)]!r}: {exc}") from None
+    names = ", ".join(f"{env_var(n)}={environ[env_var(n)]!r}" for n in env_values)
+    raise ValueError(f"environment variables {names}: {error}") from None
+
+
+def _warn_unknown_env_vars(environ) -> None:
+    """Warn once per process about each ``TIDE_*`` variable TIDE does not read (a misspelling is
+    otherwise silently ignored), naming the closest known one."""
+    known = [env_var(f.name) for f in fields(TIDEConfig)] + list(OTHER_ENV_VARS)
+    for key in sorted(environ):
+        if not key.startswith("TIDE_") or key in known or key in _warned_env_vars:
+            continue
+        _warned_env_vars.add(key)
+        close = difflib.get_close_matches(key, known, n=1)
+        hint = f"did you mean {close[0]}?" if close else f"TIDE reads {', '.join(known)}"
+        warnings.warn(f"environment variable {key} is not a TIDE setting and is ignored; {hint}", stacklevel=3)
 
 
 def parse_field(field: dataclasses.Field, raw: str, where: str):

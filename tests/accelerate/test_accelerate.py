@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,34 @@ def test_cli_compare_stock_matches_stock_fsdp2():
     assert runs["TIDE"] == pytest.approx(runs["stock FSDP2"], abs=1e-4)
 
 
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
+def test_shipped_yaml_serves_any_hugging_face_model_and_logs_to_trackers(tmp_path, arch):
+    """The shipped YAML names no layer class: Accelerate wraps the model's _no_split_modules blocks
+    (GPT2Block, Qwen2DecoderLayer), TIDE serves every group, the report is printed once, and the
+    script's tracker receives tide/* metrics for every optimizer step."""
+    proc = tide_accelerate("launch", "--config_file", str(CONFIG), "--mixed_precision", "no", "--main_process_port",
+                           "0", "-m", "tests.accelerate.any_model_app", arch, str(tmp_path), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    reports = re.findall(r"TIDE in_place on (\d+) FSDP2 parameter group\(s\): (\d+) served", proc.stdout)
+    assert len(reports) == 1, proc.stdout  # once, on the main process
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for r in ranks:
+        assert r["distributed_type"] == "FSDP" and len(r["blocks"]) == 3
+        # Every group served; each block is a group of its own (the rest: the root, and the embeddings
+        # that Accelerate shards separately).
+        assert r["served"] == r["groups"] and len(r["groups"]) == int(reports[0][0]) == int(reports[0][1])
+        assert set(r["blocks"]) <= set(r["groups"]), (r["blocks"], r["groups"])
+        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
+    logged = [json.loads(line) for line in (tmp_path / "tracker.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in logged] == [1, 2, 3]
+    assert all(entry["tide/all_gathers"] > 0 and entry["tide/reduce_scatters"] > 0 for entry in logged)
+    # The steps' metrics add up to the main process's cumulative counters.
+    stats = ranks[0]["stats"]
+    assert sum(entry["tide/all_gathers"] for entry in logged) == stats["all_gathers"]
+    assert sum(entry["tide/reduce_scatters"] for entry in logged) == stats["reduce_scatters"]
+    assert sum(entry["tide/ag_gb"] for entry in logged) * 1e9 == pytest.approx(stats["ag_bytes"])
+
+
 def bad_config(tmp_path, section: str) -> Path:
     config = tmp_path / "bad.yaml"
     config.write_text(CONFIG.read_text().split("\ntide:")[0] + "\ntide:\n" + section)
@@ -75,14 +104,15 @@ def test_cli_rejects_an_unknown_tide_key(tmp_path):
     config = bad_config(tmp_path, "  mode: in_place\n  modee: slot_reuse\n")
     proc = tide_accelerate("launch", "--config_file", str(config), str(EXAMPLE), timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert (f"tide-accelerate: error: {config}: unknown key 'modee' in the tide: section; allowed: mode, transport, "
+    assert (f"tide-accelerate: error: {config}: unknown key 'modee' in the tide: section (did you mean 'mode'?); "
+            "allowed: mode, transport, "
             "gpus_per_node,") in proc.stderr
 
 
 @pytest.mark.parametrize("section, fragment", [
     ("  mode: fast\n", "tide: mode='fast' is not supported; choose one of in_place, slot_reuse"),
     ("  transport: nvshmem\n", "tide: transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
-    ("  timeout_s: soon\n", "tide: environment variable TIDE_TIMEOUT_S='soon' cannot be parsed as float"),
+    ("  timeout_s: soon\n", "tide: timeout_s='soon' cannot be parsed as float"),
     ("  - mode\n", "the tide: section must be a mapping of TIDE options"),
 ])
 def test_launcher_rejects_bad_tide_values(tmp_path, capsys, section, fragment):
@@ -96,20 +126,82 @@ def test_launcher_rejects_bad_tide_values(tmp_path, capsys, section, fragment):
 def test_build_command_strips_the_tide_section(tmp_path):
     from tide_accelerate.launch import build_command
 
-    command, env = build_command(["--num_processes", "2", f"--config_file={CONFIG}", "-m", "pkg.train", "--lr", "1"],
-                                 environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8"})
-    assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
-    config_at = command.index("--config_file") + 1
-    assert command[3:] == ["--config_file", command[config_at], "--num_processes", "2", "-m",
-                           "-m", "tide_accelerate.run", "-m", "pkg.train", "--lr", "1"]
-    import yaml
+    argv = ["--num_processes", "2", f"--config_file={CONFIG}", "-m", "pkg.train", "--lr", "1"]
+    command, env, temp_config = build_command(argv, environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8"})
+    try:
+        assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
+        assert command[3:] == ["--config_file", temp_config, "--num_processes", "2", "-m",
+                               "-m", "tide_accelerate.run", "-m", "pkg.train", "--lr", "1"]
+        import yaml
 
-    written = yaml.safe_load(Path(command[config_at]).read_text())
-    assert "tide" not in written and written["fsdp_config"]["fsdp_version"] == 2
+        written = yaml.safe_load(Path(temp_config).read_text())
+        assert "tide" not in written and written["fsdp_config"]["fsdp_version"] == 2
+    finally:
+        os.unlink(temp_config)
     # The section replaces variables already set; the others stay.
     assert env["TIDE_MODE"] == "in_place" and env["TIDE_TRANSPORT"] == "auto" and env["TIDE_MAX_PARAMS"] == "8"
     with pytest.raises(ValueError, match="--no_python cannot be used"):
         build_command(["--config_file", str(CONFIG), "--no_python", "train.sh"], environ={})
+
+
+def test_launcher_ignores_a_file_planted_at_the_old_shared_path(tmp_path, monkeypatch):
+    """The config copy is a new private file on every launch: a file another user planted where an
+    earlier version wrote (and reused) it, $TMPDIR/tide-accelerate/<stem>-<sha256[:12]>.yaml, is not read."""
+    import hashlib
+    import stat
+
+    import yaml
+
+    from tide_accelerate.launch import build_command, read_config
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # tempfile.gettempdir() for this test
+    config, _ = read_config(str(CONFIG))
+    text = yaml.safe_dump(config, sort_keys=False)
+    planted = tmp_path / "tide-accelerate" / f"{CONFIG.stem}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml"
+    planted.parent.mkdir()
+    planted.write_text(text.replace("num_processes: 2", "num_processes: 7"))
+    used = []
+    for _ in range(2):
+        command, _, temp_config = build_command(["--config_file", str(CONFIG), str(EXAMPLE)], environ={})
+        path = Path(command[command.index("--config_file") + 1])
+        assert path == Path(temp_config) and path.parent == tmp_path and path != planted
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        assert yaml.safe_load(path.read_text()) == config  # the user's settings, num_processes 2
+        used.append(path)
+        path.unlink()
+    assert used[0] != used[1]  # a fresh name each launch
+
+
+def test_launch_deletes_its_temporary_config(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    from tide_accelerate import launch
+
+    seen = []
+
+    def run(command, env):  # instead of accelerate launch: is the config there while it runs?
+        seen.append(Path(command[command.index("--config_file") + 1]).exists())
+        return 3
+
+    monkeypatch.setattr(launch, "run", run)
+    assert launch.main(["launch", "--config_file", str(CONFIG), str(EXAMPLE)]) == 3  # the launch's exit status
+    assert seen == [True] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda text: text.replace("\ntide:", "\ntdie:"), "unknown top-level key 'tdie' (did you mean 'tide'?)"),
+    (lambda text: text.replace("distributed_type: FSDP\n", ""), "A `distributed_type` must be specified"),
+])
+def test_config_errors_name_the_users_file(tmp_path, capsys, monkeypatch, edit, fragment):
+    from tide_accelerate.launch import main
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    config = tmp_path / "mine.yaml"
+    config.write_text(edit(CONFIG.read_text()))
+    assert main(["launch", "--config_file", str(config), str(EXAMPLE)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tide-accelerate: error: {config}: ") and fragment in err, err
+    assert "tide-accelerate-" not in err and list((tmp_path / "tmp").iterdir()) == []  # nothing left behind
 
 
 def _tide_accelerator_worker(rank: int, world_size: int) -> dict:

@@ -69,3 +69,19 @@ def test_sweep_values_are_parsed_as_the_field_type():
     assert _sweep("chunk_slots=2,3") == ("chunk_slots", [2, 3])
     with pytest.raises(argparse.ArgumentTypeError, match="--sweep ring='maybe' cannot be parsed as bool"):
         _sweep("ring=maybe")
+
+
+def test_results_go_to_the_user_cache_by_default(tmp_path):
+    """Without --out nothing is written under the working directory (often a checkout of this
+    repository): the dated table lands in $XDG_CACHE_HOME/tide/bench."""
+    import os
+
+    cwd, cache = tmp_path / "cwd", tmp_path / "cache"
+    cwd.mkdir()
+    proc = subprocess.run([sys.executable, "-m", "tide_core.bench", "ag", "--sizes", "1", "--iters", "2",
+                           "--scratch", str(tmp_path / "raw")], cwd=cwd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = list((cache / "tide" / "bench").glob("*-ag-cpu.md"))
+    assert len(written) == 1 and f"wrote {written[0]}" in proc.stdout
+    assert list(cwd.iterdir()) == []

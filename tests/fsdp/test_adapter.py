@@ -274,9 +274,11 @@ def test_sum_slices_are_validated_and_rounded():
 
     with pytest.raises(ValueError, match="sum_slice_mib=-1 must be >= 0"):
         TIDEConfig(sum_slice_mib=-1)
-    assert TIDEConfig(sum_slice_mib=0).sum_slice_bytes == 0
-    assert TIDEConfig(sum_slice_mib=1.0001).sum_slice_bytes == 1 << 20  # whole KiB
-    assert TIDEConfig(sum_slice_mib=1e-6).sum_slice_bytes == 1024
+    from tide_core.fsdp.options import cuda_options
+
+    assert cuda_options(TIDEConfig(sum_slice_mib=0)).sum_slice_bytes == 0
+    assert cuda_options(TIDEConfig(sum_slice_mib=1.0001)).sum_slice_bytes == 1 << 20  # whole KiB
+    assert cuda_options(TIDEConfig(sum_slice_mib=1e-6)).sum_slice_bytes == 1024
 
 
 def test_install_requires_an_fsdp_model():

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from tide_core import PlanError
-from tide_core.plan import GroupLayout, Topology, allgather_plan, allgather_schedule
+from tide_core.plan import GroupLayout, Topology, allgather_plan, allgather_schedule, balance_lanes
 from tide_core.plan.simulate import check_allgather, simulate_allgather
 
 
@@ -96,3 +96,30 @@ def test_plan_rejects_mismatched_world_size():
         allgather_plan(lay, Topology(2, 4), 0)
     with pytest.raises(PlanError, match="min_strided_run=1"):
         allgather_plan(lay, Topology(2, 2), 0, min_strided_run=1)
+
+
+@pytest.mark.parametrize("lanes", [1, 2, 3, 8])
+def test_balanced_lanes_hold_every_peer_push_once_and_differ_by_at_most_the_largest(lanes):
+    rng = np.random.default_rng(lanes)
+    topo = Topology(1, 4)
+    lay = GroupLayout.from_shapes([(int(rng.integers(1, 200)), int(rng.integers(1, 9))) for _ in range(13)],
+                                  world_size=4)
+    plan = allgather_plan(lay, topo, rank=1)
+    pushes = [p for p in plan.local_pushes if p.dst_local != 1]
+    out = balance_lanes(pushes, lanes)
+    assert len(out) == min(lanes, len(pushes))
+    assert sorted(map(id, (p for lane in out for p in lane))) == sorted(map(id, pushes))  # each push once
+    loads = [sum(p.nbytes for p in lane) for lane in out]
+    assert max(loads) - min(loads) <= max(p.nbytes for p in pushes)  # greedy largest-first bound
+    for lane in out:  # largest first within a lane
+        assert [p.nbytes for p in lane] == sorted((p.nbytes for p in lane), reverse=True)
+    assert balance_lanes([], lanes) == [[]]  # one node-local GPU: one empty lane
+    with pytest.raises(PlanError, match="lanes=0"):
+        balance_lanes(pushes, 0)
+
+
+def test_balanced_lanes_put_the_largest_pushes_on_different_lanes():
+    lay = GroupLayout.from_shapes([(2, 1), (2, 100), (2, 50), (2, 60)], world_size=2)
+    pushes = [p for p in allgather_plan(lay, Topology(1, 2), rank=0).local_pushes if p.dst_local == 1]
+    lanes = balance_lanes(pushes, 2)
+    assert [[p.param for p in lane] for lane in lanes] == [[1, 0], [3, 2]]  # 200 | 120 + 100 -> 200 + 2

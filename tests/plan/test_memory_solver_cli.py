@@ -72,6 +72,25 @@ def test_cli_prints_report_for_every_named_model(capsys):
     assert block.split()[1:4] == ["80", "9", "25.50"]  # 80 blocks, 9 params, 25.50 MiB per rank
 
 
+def test_cli_labels_its_columns_and_keeps_paper_references_behind_verbose(capsys):
+    args = ["--model", "llama3.1-8b", "--nodes", "2", "--gpus-per-node", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if line.startswith("group"))
+    assert header.split() == ["group", "count", "params", "shard/rank", "gathered", "AG", "rounds", "AG", "copies",
+                              "AG", "stage", "RS", "waves", "RS", "rounds", "RS", "copies"]
+    for label in ("count:", "params:", "shard/rank:", "gathered:", "AG rounds:", "AG copies:", "AG stage:",
+                  "RS waves / RS rounds:", "RS copies:"):
+        assert label in out, label  # every column is explained under the table
+    assert not any(word in out for word in ("mcast", "multicast", "Eq.", "Appendix"))
+    assert main(args + ["--verbose"]) == 0
+    verbose = capsys.readouterr().out
+    assert "AG copies if multicast" in verbose and "which TIDE does not use" in verbose
+    assert "(Eq. 11/12)" in verbose and "(Appendix G)" in verbose
+    block = next(line for line in verbose.splitlines() if line.startswith("block")).split()
+    assert block[8:10] == ["144", "18"]  # unicast vs multicast descriptors of a Llama-3.1-8B block at 2 x 8
+
+
 def test_cli_shapes_file_and_bad_input(tmp_path, capsys):
     f = tmp_path / "shapes.json"
     f.write_text(json.dumps([[1000, 64], [7], [3, 4, 5]]))

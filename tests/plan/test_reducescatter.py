@@ -11,7 +11,9 @@ from tide_core.plan import (
     latin_square_plan,
     level1_copies,
     level1_order,
+    level1_steps,
     split_copies,
+    split_launches,
 )
 from tide_core.plan.simulate import InvariantError, reference_reduce_scatter_fp64, simulate_reduce_scatter
 
@@ -239,3 +241,56 @@ def test_missing_stale_zeroing_is_detected(monkeypatch):
     lay, grads = _random_case(rng, topo.world_size)
     with pytest.raises(InvariantError, match="stale block"):
         simulate_reduce_scatter(lay, topo, grads, calls=2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_split_launches_cover_each_range_in_order_with_bounded_segments(seed):
+    """Launches tile [lo, hi) at 8-element boundaries, hold at most max_segments segments each, and
+    every segment element in the range lies in a launch that lists its segment."""
+    rng = np.random.default_rng(seed)
+    N = int(rng.integers(1, 5))
+    lay = GroupLayout.from_shapes([(int(rng.integers(1, 6 * N)), int(rng.integers(1, 9))) for _ in range(20)],
+                                  world_size=N)
+    chunk_elems = 8 * int(rng.integers(8, 40))
+    limit = int(rng.integers(8, 12))  # >= 8: at most 8 segments start in one 8-element unit
+    for chunk in chunk_segments(lay, 0, chunk_elems):
+        for lo, hi in chunk_pieces(chunk.length, 8 * int(rng.integers(2, 9))):
+            launches = split_launches(chunk, lo, hi, limit)
+            assert launches[0][0] == lo and sum(count for _, count, _ in launches) == hi - lo
+            assert all(a[0] + a[1] == b[0] and (a[0] + a[1]) % 8 == 0 for a, b in zip(launches, launches[1:]))
+            for first, count, segments in launches:
+                assert 1 <= len(segments) <= limit
+                for e in range(first, first + count):
+                    owner = [s for s in chunk.segments
+                             if s.out_offset - chunk.start <= e < s.out_offset - chunk.start + s.length]
+                    assert owner and owner[0] in segments
+    with pytest.raises(PlanError, match="max_segments"):
+        split_launches(chunk, 0, chunk.length, 0)
+    # six one-element shards side by side: a launch of five segments cannot split inside a unit
+    tiny = chunk_segments(GroupLayout.from_shapes([(1,)] * 6 + [(40,)], world_size=1), 0, 64)[0]
+    with pytest.raises(PlanError, match="more than 5 segments meet in chunk elements \\[0, 8\\)"):
+        split_launches(tiny, 0, tiny.length, 5)
+    assert [(f, c, len(sg)) for f, c, sg in split_launches(tiny, 0, tiny.length, 7)] == [(0, 46, 7)]
+    spaced = chunk_segments(GroupLayout.from_shapes([(1,)] * 4 + [(10,), (40,)], world_size=1), 0, 64)[0]
+    assert [(f, c, len(sg)) for f, c, sg in split_launches(spaced, 0, spaced.length, 5)] == [(0, 8, 5), (8, 46, 2)]
+
+
+@pytest.mark.parametrize("M,L", [(1, 2), (1, 4), (2, 2), (3, 2), (5, 1)])
+def test_level1_steps_push_each_copy_once_and_sum_in_the_planned_order(M, L):
+    topo = Topology(M, L)
+    N = topo.world_size
+    rng = np.random.default_rng(M * 10 + L)
+    lay = GroupLayout.from_shapes([(int(rng.integers(1, 5 * N)), int(rng.integers(1, 30))) for _ in range(9)],
+                                  world_size=N)
+    for rank in range(N):
+        steps = level1_steps(lay, topo, rank, chunk_elems=64, piece_elems=16, max_segments=3)
+        assert [s.contributor for s in steps] == list(range(1, M + 1))
+        pushed = [cp for s in steps for pieces in s.pieces for copies, _ in pieces for cp in copies]
+        total = sum(cp.length for cp in level1_copies(lay, topo, rank, 64))
+        assert sum(cp.length for cp in pushed) == total  # pieces re-cut the copies, nothing lost
+        for s in steps:
+            n = topo.node_of(rank)
+            assert s.dest_node == (n + s.contributor) % M and topo.node_of(s.dest_rank) == s.dest_node
+            assert level1_order(topo, s.dest_rank, n)[-1] == rank  # this rank owns the step's partial
+            assert s.order == [topo.local_of(r) for r in level1_order(topo, s.dest_rank, n)[:-1]]
+            assert [ch.index for ch in s.chunks] == list(range(len(s.chunks))) and len(s.pieces) == len(s.chunks)

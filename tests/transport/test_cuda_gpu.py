@@ -11,7 +11,9 @@ from tests.support.dist import run_distributed
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, fp64_reduce_scatter, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology
+from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 
 pytestmark = pytest.mark.cuda(gpus=2)
 
@@ -21,7 +23,7 @@ def _gpus() -> int:
 
 
 def _suite(rank, world_size, seed):
-    from tide_core.transport.cuda import CudaTransport
+    from tide_core.transport.cuda import CudaOptions, CudaTransport
     from tide_core.transport.reference import ReferenceTransport
 
     dev = torch.device("cuda", rank)
@@ -29,8 +31,8 @@ def _suite(rank, world_size, seed):
     report = {"max_rel_err": 0.0, "ag_cases": 0, "rs_cases": 0}
     rng = np.random.default_rng(seed)
     # many chunks, each in 2 pieces with their own arrival signals
-    small = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625))
-    big = CudaTransport(topo, config=TIDEConfig(timeout_s=60))
+    small = CudaTransport(topo, options=CudaOptions(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625))
+    big = CudaTransport(topo, options=CudaOptions(timeout_s=60))
     ref = ReferenceTransport(topo)
     slot = 0
     for case in range(4):
@@ -61,7 +63,7 @@ def _suite(rank, world_size, seed):
                     out = base.clone() if accumulate else torch.full((E,), float("nan"), device=dev)
                     t.reduce_scatter(lay, mine, out, alpha=alpha, accumulate=accumulate).wait()
                     torch.cuda.synchronize()
-                    assert torch.equal(out, expect), (case, dtype, accumulate, t.chunk_bytes)
+                    assert torch.equal(out, expect), (case, dtype, accumulate, t.memory.chunk_bytes)
                     report["rs_cases"] += 1
                 y = fp64_reduce_scatter(lay, grads, rank, alpha, base.cpu() if accumulate else None)
                 err = ((expect.cpu().double() - y).abs().max() / max(1.0, y.abs().max().item())).item()
@@ -134,13 +136,13 @@ def test_cuda_transport_bitwise_equal_to_reference_and_fp64():
 
 
 def _faults(rank, world_size, fault, faulty_rank):
-    from tide_core.transport.cuda import CudaTransport
+    from tide_core.transport.cuda import CudaOptions, CudaTransport
     from tide_core.transport.reference import ReferenceTransport
 
     dev = torch.device("cuda", rank)
     topo = Topology(1, world_size)
-    t = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
-                      faults=fault if rank == faulty_rank else None)
+    t = CudaTransport(topo, options=CudaOptions(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
+                      faults=[fault] if rank == faulty_rank else [])
     ref = ReferenceTransport(topo)
     shapes = [(world_size * 8192, 33), (37,), (2 * world_size + 1, 5)]
     lay = layout_for(shapes, world_size, 2)
@@ -155,11 +157,11 @@ def _faults(rank, world_size, fault, faulty_rank):
     outcome = {"timeout": None, "corrupt": False}
     try:
         for i in range(4):
-            if "skip_completion" in fault or "reorder_call" in fault:
+            if isinstance(fault, (SkipCompletion, ReorderCalls)):
                 for o in landings[i]:
                     o.fill_(float("nan"))
                 work = t.all_gather(lay, shards[i], landings[i])
-                if "reorder_call" in fault and rank == faulty_rank:
+                if isinstance(fault, ReorderCalls) and rank == faulty_rank:
                     continue
                 work.wait()
                 t.synchronize()
@@ -177,10 +179,10 @@ def _faults(rank, world_size, fault, faulty_rank):
 
 
 GPU_FAULTS = {
-    "skip a completion signal": ({"skip_completion": {2}}, 1, "timeout"),
-    "drop a credit": ({"drop_credit_from": 1}, 0, "timeout"),
-    "reuse a chunk early": ({"early_reuse": True}, 1, "corrupt_or_timeout"),
-    "reorder calls": ({"reorder_call": 1}, 1, "corrupt_or_timeout"),
+    "skip a completion signal": (SkipCompletion(calls=frozenset({2})), 1, "timeout"),
+    "drop a credit": (DropStagingCredits(from_chunk=1), 0, "timeout"),
+    "reuse a chunk early": (ReuseStagingEarly(), 1, "corrupt_or_timeout"),
+    "reorder calls": (ReorderCalls(call=2), 1, "corrupt_or_timeout"),
 }
 
 
@@ -204,8 +206,8 @@ def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
 
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
-    t = CudaTransport(topo, config=TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25,
-                                              sum_slice_mib=0.0625))  # pieces and landing slices
+    t = CudaTransport(topo, options=cuda_options(TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25,
+                                                            sum_slice_mib=0.0625)))  # pieces and landing slices
     reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)
     ag_cases = rs_cases = 0

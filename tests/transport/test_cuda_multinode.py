@@ -21,18 +21,20 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, latin_square_plan
 from tide_core.plan.memory import staging_area_blocks
 from tide_core.transport.cuda import CudaTransport
+from tide_core.transport.faults import DropRailCredits, ReorderCalls, ReuseRailEarly, SkipRailSignal
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
+def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
                hardware_queues=None, **config):
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     config = TIDEConfig(timeout_s=timeout_s, rail="p2p", **config)
-    t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
+    t = CudaTransport(topo, None, options=cuda_options(config), device=torch.device("cpu"), backend=dev, allocator=alloc,
                       faults=faults)
     return t, dev, alloc
 
@@ -60,7 +62,7 @@ def _all_gathers(rank, world_size, nodes, seed, tag, hardware_queues=None):
                 checked += 1
         t.synchronize()
         assert not dev.errors, dev.errors
-        return checked, t.ag_stage.nbytes >= (nodes - 1) * lay.total_shard_bytes
+        return checked, t.memory.ag_stage.nbytes >= (nodes - 1) * lay.total_shard_bytes
     finally:
         dev.close()
         alloc.cleanup()
@@ -114,14 +116,15 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
         assert not dev.errors, dev.errors
         # Level-2 blocks against Eq. 10 without its Level-1 staging term (units of one fp32 partial;
         # the Level-1 chunks here are 4 KiB, larger than these tiny partials)
-        L, waves = topo.gpus_per_node, t.waves
+        L, waves, mem = topo.gpus_per_node, t.waves, t.memory
         level2_bound = (staging_area_blocks(gpus_per_node=L, generations=waves.generations,
-                                            outbox_depth=waves.outbox_depth, staging_slots=t.n_slots)
-                        - t.n_slots * L / 2) * t.block_bytes
-        assert t.rs_blocks.nbytes <= level2_bound, (t.rs_blocks.nbytes, level2_bound)
+                                            outbox_depth=waves.outbox_depth, staging_slots=mem.n_slots)
+                        - mem.n_slots * L / 2) * mem.block_bytes
+        assert mem.rs_blocks.nbytes <= level2_bound, (mem.rs_blocks.nbytes, level2_bound)
         if slice_bytes:
             return checked, dev.kernels, t.rs_seq
-        return checked, len(t.inbox.landing), t.rs_blocks.nbytes // t.block_bytes, t.waves.outbox_depth, t.inbox.blocks
+        return (checked, len(mem.inbox.landing), mem.rs_blocks.nbytes // mem.block_bytes, waves.outbox_depth,
+                mem.inbox.blocks)
     finally:
         dev.close()
         alloc.cleanup()
@@ -179,7 +182,7 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
     ``delay_s`` so that early reuse overtakes them. Returns whether a result was corrupt or which
     timeout was raised."""
     topo = Topology(world_size, 1)
-    faults = fault if rank == faulty_rank else None
+    faults = [fault] if rank == faulty_rank else []
     delay = delay_s if rank != faulty_rank else 0.0
     t, dev, alloc = _transport(topo, tag, faults=faults, timeout_s=2.0, copy_delay_s=delay if collective == "ag" else 0.0,
                                sum_delay_s=delay if collective == "rs" else 0.0)
@@ -220,13 +223,13 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
 
 
 RAIL_FAULTS = {  # name: (collective, fault, expected outcome, delay of the other ranks)
-    "all-gather: skip a rail data signal": ("ag", {"rail_skip_signal": {2}}, "timeout", 0.0),
-    "all-gather: drop stage credits": ("ag", {"rail_drop_credit_from": 2}, "timeout", 0.0),
-    "all-gather: reuse the stage early": ("ag", {"rail_early_reuse": True}, "corrupt", 0.05),
-    "all-gather: reorder calls": ("ag", {"reorder_call": 1}, "corrupt or timeout", 0.0),
-    "reduce-scatter: skip a rail data signal": ("rs", {"rail_skip_signal": {2}}, "timeout", 0.0),
-    "reduce-scatter: drop inbox credits": ("rs", {"rail_drop_credit_from": 2}, "timeout", 0.0),
-    "reduce-scatter: reuse the inbox early": ("rs", {"rail_early_reuse": True}, "corrupt", 0.05),
+    "all-gather: skip a rail data signal": ("ag", SkipRailSignal(calls=frozenset({2})), "timeout", 0.0),
+    "all-gather: drop stage credits": ("ag", DropRailCredits(from_call=2), "timeout", 0.0),
+    "all-gather: reuse the stage early": ("ag", ReuseRailEarly(), "corrupt", 0.05),
+    "all-gather: reorder calls": ("ag", ReorderCalls(call=2), "corrupt or timeout", 0.0),
+    "reduce-scatter: skip a rail data signal": ("rs", SkipRailSignal(calls=frozenset({2})), "timeout", 0.0),
+    "reduce-scatter: drop inbox credits": ("rs", DropRailCredits(from_call=2), "timeout", 0.0),
+    "reduce-scatter: reuse the inbox early": ("rs", ReuseRailEarly(), "corrupt", 0.05),
 }
 
 
@@ -241,28 +244,3 @@ def test_rail_fault_injection_is_detected(name):
         assert any(o["corrupt"] for o in outcomes)
     else:
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
-
-
-def test_inbox_plans_stay_within_eq10_and_reuse_blocks_only_after_their_read():
-    """Every (M, L, W) and both outbox variants: Level-2 blocks (outbox, inbox, spare, running total)
-    within Eq. 10, and a reused block's next use is at least two waves later, so its read (landing
-    one wave after the Level 1 that filled it) is enqueued before the put that overwrites it."""
-    from types import SimpleNamespace
-
-    for M in range(2, 65):
-        for L in (1, 2, 4, 8):
-            for W in range(1, L + 1):
-                for memory_efficient in (False, True):
-                    plan = latin_square_plan(M, L, W, 2, memory_efficient)
-                    stub = SimpleNamespace(topology=Topology(M, L), waves=plan, dev=SimpleNamespace(max_sources=16))
-                    inbox = CudaTransport.inbox.func(stub)
-                    blocks = plan.outbox_depth + inbox.blocks + 1 + (len(inbox.landing) > 1)
-                    eq10 = staging_area_blocks(gpus_per_node=L, generations=plan.generations,
-                                               outbox_depth=plan.outbox_depth, staging_slots=2) - 2 * L / 2
-                    assert blocks <= eq10, (M, L, W, memory_efficient, blocks, eq10)
-                    assert sorted(c for group in inbox.landing for c in group) == list(range(1, M + 1))
-                    for c, nxt in inbox.next_use.items():
-                        assert inbox.index[c] < inbox.blocks
-                        if nxt is not None:
-                            assert inbox.index[nxt] == inbox.index[c] and (nxt - 1) // W >= (c - 1) // W + 2
-                            assert inbox.use[nxt] == inbox.use[c] + 1

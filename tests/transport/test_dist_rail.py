@@ -22,9 +22,11 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.dist_rail import DistRail
+from tide_core.transport.faults import DropRailCredits, ReorderCalls, ReuseRailEarly, SkipRailSignal
 from tide_core.transport.reference import ReferenceTransport
 
 
@@ -41,14 +43,14 @@ def _node_only(alloc, topo: Topology, rank: int):
     return allocate
 
 
-def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0,
+def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0,
                segmented=True, **config):
     """Recordings compiled into segments between their host steps, as on GPUs (``segmented``), or
     replayed operation by operation."""
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, segmented=segmented)
     alloc = _node_only(shared_memory_allocator(dist.group.WORLD, tag), topo, dist.get_rank())
-    config = TIDEConfig(timeout_s=timeout_s, rail="nccl", **config)
-    t = CudaTransport(topo, None, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
+    options = cuda_options(TIDEConfig(timeout_s=timeout_s, rail="nccl", **config))
+    t = CudaTransport(topo, None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc,
                       faults=faults, single_host=False)
     return t, dev, alloc
 
@@ -90,8 +92,9 @@ def _collectives(rank, world_size, nodes, seed, tag, wave_width, segmented):
             assert torch.equal(out, expect), ("reduce_scatter", call, (out - expect).abs().max())
         t.synchronize()
         assert not dev.errors, dev.errors
-        segments = sum(part[0] == "segment" for p in t._programs.values() if hasattr(p, "parts") for part in p.parts)
-        return dev.host_steps, len(t.inbox.landing), segments
+        compiled = [p.program for p in t.programs.programs.values()]
+        segments = sum(part[0] == "segment" for p in compiled if hasattr(p, "parts") for part in p.parts)
+        return dev.host_steps, len(t.memory.inbox.landing), segments
     finally:
         shut_down(dev, alloc)
 
@@ -112,13 +115,13 @@ def _emulated_transports(tag: str, created: list, nodes: int):
     """A stand-in for the adapter's ``make_transport``: the CUDA transport on an emulated device for
     every shard group, checking that the adapter saw a group across ``nodes`` hosts with rail "auto"."""
 
-    def make(kind, topology, group, *, device, config, single_host):
-        assert (kind, config.rail, single_host, topology.nodes) == ("auto", "auto", False, nodes)
+    def make(kind, topology, group, *, device, options, validate_calls, single_host):
+        assert (kind, options.rail, single_host, topology.nodes) == ("auto", "auto", False, nodes)
         dev = EmulatedDevice(segmented=True)
         first = dist.get_process_group_ranks(group)[0]  # shard groups allocate apart
         alloc = _node_only(shared_memory_allocator(group, f"{tag}g{first}"), topology, dist.get_rank(group))
-        t = CudaTransport(topology, group, config=config, device=torch.device("cpu"), backend=dev, allocator=alloc,
-                          single_host=single_host)
+        t = CudaTransport(topology, group, options=options, device=torch.device("cpu"), backend=dev,
+                          allocator=alloc, single_host=single_host)
         created.append((t, dev, alloc))
         return t
 
@@ -133,7 +136,7 @@ def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, sl
     timeout raised, if any."""
     topo = Topology(nodes, world_size // nodes)
     delay = 0.05 if rank == slowed_rank else 0.0
-    t, dev, alloc = _transport(topo, tag, faults=fault if rank == faulty_rank else None,
+    t, dev, alloc = _transport(topo, tag, faults=[fault] if rank == faulty_rank and fault else [],
                                copy_delay_s=delay if collective == "ag" else 0.0,
                                sum_delay_s=delay if collective == "rs" else 0.0, **{"timeout_s": 2.0, **config})
     shapes = [(world_size * 64, 9), (5,), (3 * world_size + 1, 4)]
@@ -176,25 +179,30 @@ def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, sl
 
 
 C, T, OK = (True, False), (False, True), (False, False)  # per rank: corrupt result, PeerStallTimeout, clean
+# A rank whose partner stalled on its own missing credit: its partner's watchdog releases the partner's
+# flags after timeout_s, the partner then issues its pending exchanges with stale data, and this rank
+# sees a corrupt result or its own timeout, whichever watchdog fires first: never a clean result.
+D = "corrupt or timeout"
 RAIL_FAULTS = {  # name: (M, L, collective, fault, faulty rank, slowed rank, calls before it stops, config, outcomes)
     # the stopped rank's own call completed; everyone still waiting on it times out
     "all-gather: a peer stops sending": (3, 1, "ag", None, 2, None, 1, {}, [T, T, OK]),
     # a skipped exchange shifts the faulty rank's matching by one call: its later calls receive the
     # peer's earlier ones (corrupt) and the peer's last exchange is never matched (timeout)
-    "all-gather: skip a round": (2, 1, "ag", {"rail_skip_signal": {2}}, 0, None, None, {}, [C, T]),
-    "all-gather: drop stage credits": (2, 1, "ag", {"rail_drop_credit_from": 2}, 0, None, None, {}, [T, T]),
+    "all-gather: skip a round": (2, 1, "ag", SkipRailSignal(frozenset({2})), 0, None, None, {}, [C, T]),
+    "all-gather: drop stage credits": (2, 1, "ag", DropRailCredits(2), 0, None, None, {}, [T, D]),
     # the faulty rank receives call e + 1 into a stage area its own (slowed) scatter of call e reads
-    "all-gather: reuse the stage early": (2, 1, "ag", {"rail_early_reuse": True}, 0, 0, None, {}, [C, OK]),
+    "all-gather: reuse the stage early": (2, 1, "ag", ReuseRailEarly(), 0, 0, None, {}, [C, OK]),
     "all-gather: control, same timing without the fault": (2, 1, "ag", None, 0, 0, None, {}, [OK, OK]),
-    # calls 1 and 2 swapped on rank 0: each rank's first exchange meets the other's second
-    "all-gather: reorder calls": (2, 1, "ag", {"reorder_call": 1}, 0, None, None, {}, [C, C]),
+    # calls 1 and 2 carry each other's epoch on rank 0: its call 1 waits for the stage credit its
+    # call 2 would write (epoch 1), so it never issues its exchange, and neither rank completes
+    "all-gather: reorder calls": (2, 1, "ag", ReorderCalls(1), 0, None, None, {}, [T, D]),
     "reduce-scatter: a peer stops sending": (3, 1, "rs", None, 2, None, 1, {}, [T, T, OK]),
-    "reduce-scatter: skip a round": (2, 1, "rs", {"rail_skip_signal": {2}}, 0, None, None, {}, [C, T]),
-    "reduce-scatter: drop inbox credits": (2, 2, "rs", {"rail_drop_credit_from": 2}, 0, None, None, {}, [T] * 4),
+    "reduce-scatter: skip a round": (2, 1, "rs", SkipRailSignal(frozenset({2})), 0, None, None, {}, [C, T]),
+    "reduce-scatter: drop inbox credits": (2, 2, "rs", DropRailCredits(2), 0, None, None, {}, [T, D, D, D]),
     # Inbox blocks reused within a call (5 x 2, W = 1: two generations) and read by a node peer:
     # the only reuse that the receiver's own stream order does not already cover. Rank 0 receives
     # the block's next use while rank 1 (slowed) still lands the previous one from it.
-    "reduce-scatter: reuse an inbox block early": (5, 2, "rs", {"rail_early_reuse": True}, 0, 1, None,
+    "reduce-scatter: reuse an inbox block early": (5, 2, "rs", ReuseRailEarly(), 0, 1, None,
                                                    {"wave_width": 1, "timeout_s": 20.0}, [OK, C] + [OK] * 8),
     "reduce-scatter: control, same timing without the fault": (5, 2, "rs", None, 0, 1, None,
                                                                {"wave_width": 1, "timeout_s": 20.0}, [OK] * 10),
@@ -208,7 +216,7 @@ def test_nccl_rail_faults_are_detected(name):
                                args=(uuid.uuid4().hex[:8], nodes, collective, fault, faulty, slowed, stop_after, config))
     observed = [(o["corrupt"], o["timeout"] is not None) for o in outcomes]
     print(f"\n{name}: {observed}")
-    assert observed == expected, (name, outcomes)
+    assert all(seen in (C, T) if want == D else seen == want for seen, want in zip(observed, expected)), (name, outcomes)
     for o in outcomes:  # fail-stop: a starved rank names the call it waited for instead of hanging
         assert o["timeout"] is None or "did not complete within" in o["timeout"], o
 

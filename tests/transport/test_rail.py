@@ -11,6 +11,7 @@ from tide_core.plan import Topology
 from tide_core.runtime.arena import Segment
 from tide_core.runtime.program import ProgramRecorder
 from tide_core.transport import cuda_unavailable_reason, make_transport
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, make_rail, nccl_rma_unavailable_reason
 
 
@@ -74,7 +75,7 @@ def test_cuda_transport_serves_emulated_nodes_on_one_host_only():
     # a rail that cannot serve leaves the group to stock collectives (the adapter turns this error
     # into the group's fallback reason)
     with pytest.raises(TIDEError, match="nccl_rma.*stock collectives serve this group"):
-        make_transport("auto", topo, None, device=cuda, single_host=True, config=TIDEConfig(rail="nccl_rma"))
+        make_transport("auto", topo, None, device=cuda, single_host=True, options=CudaOptions(rail="nccl_rma"))
 
 
 def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():

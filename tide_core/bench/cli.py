@@ -3,7 +3,8 @@
 Runs on every visible GPU (one process each, NCCL); on a CPU-only machine ``ag``/``rs`` run 2
 gloo processes with the reference transport (a smoke test of the harness, not a measurement).
 Results are printed and written as dated markdown tables (and PNG plots for ``train``) under
-``--out`` (default benchmarks/results/).
+``--out`` (default: ~/.cache/tide/bench, or $XDG_CACHE_HOME/tide/bench; pass ``--out
+benchmarks/results`` to add them to the repository's dated results).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ import tempfile
 import torch
 
 from tide_core.bench import collectives, interference
-from tide_core.bench.common import launch, write_result
+from tide_core.bench.common import default_results_dir, launch, write_result
 
 
 def _transport(world_size: int, nodes: int = 1, **overrides):
     from tide_core.config import TIDEConfig
+    from tide_core.fsdp.options import cuda_options
     from tide_core.plan import Topology
     from tide_core.transport import make_transport
 
@@ -29,8 +31,9 @@ def _transport(world_size: int, nodes: int = 1, **overrides):
 
     if world_size % nodes:
         raise SystemExit(f"--nodes {nodes} does not divide the {world_size} processes")
+    config = TIDEConfig.from_env(**overrides)
     return make_transport("auto", Topology(nodes, world_size // nodes), None, device=group_device(),
-                          config=TIDEConfig.from_env(**overrides))
+                          options=cuda_options(config), validate_calls=config.validate_calls)
 
 
 def _collectives_worker(rank, world_size, args):
@@ -144,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1,
                    help="ag/rs: treat the processes as this many nodes (emulated on one host; TIDE's cross-node "
                         "hops then run over the p2p rail)")
-    p.add_argument("--out", default="benchmarks/results", help="directory for the markdown results")
+    p.add_argument("--out", default=str(default_results_dir()),
+                   help="directory for the markdown results (default: %(default)s)")
     p.add_argument("--no-write", dest="write", action="store_false", help="print only")
     p.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "qwen3-moe"])
     p.add_argument("--layers", type=int, default=8, help="dense model layers (8 = ~2.8B)")

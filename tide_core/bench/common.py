@@ -179,6 +179,12 @@ def markdown_table(headers: list[str], rows: list[list]) -> str:
     return "\n".join(lines)
 
 
+def default_results_dir() -> Path:
+    """Where results go unless ``--out`` names a folder: a per-user cache, never the current
+    directory (which is often a checkout of this repository)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tide" / "bench"
+
+
 def write_result(out_dir: str | os.PathLike, kind: str, title: str, body: str, command: str | None = None) -> Path:
     env = environment()
     out_dir = Path(out_dir)

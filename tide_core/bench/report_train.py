@@ -6,7 +6,7 @@ import json
 import os
 from pathlib import Path
 
-from tide_core.bench.common import environment, markdown_table, write_result
+from tide_core.bench.common import default_results_dir, environment, markdown_table, write_result
 
 GiB = 1 << 30
 
@@ -189,7 +189,7 @@ if __name__ == "__main__":  # re-render from a scratch directory
     p = argparse.ArgumentParser()
     p.add_argument("scratch")
     p.add_argument("--model", default="llama3-8b")
-    p.add_argument("--out", default="benchmarks/results")
+    p.add_argument("--out", default=str(default_results_dir()))
     a = p.parse_args()
     print(write_train_report(argparse.Namespace(scratch=a.scratch, model=a.model, out=a.out, layers=0, ac=False,
                                                 rounds=0, steps=0)))

@@ -26,6 +26,7 @@ from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
 from tide_core.fsdp import compat
 from tide_core.fsdp.group import SlotRing, TideGroup
+from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
 from tide_core.runtime.groups import check_agreement
@@ -109,12 +110,8 @@ class TIDEHandle:
             f"{len(self.entries) - len(served)} on stock collectives",
         ]
         for t in self.transports.values():
-            topo = t.topology
-            device = "GPU(s)" if t.device.type == "cuda" else f"{t.device.type} process(es)"
-            lines.append(f"  transport: {t.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {device})")
-            if getattr(t, "rail", None) is not None:
-                lines.append(f"    {t.rail.name} rail; reduce-scatter Level 2 in {len(t.waves.waves)} Latin-square "
-                             f"wave(s) of width {t.waves.wave_width}")
+            summary, *details = t.describe()
+            lines += [f"  transport: {summary}"] + [f"    {line}" for line in details]
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
             status = f"TIDE, {e.served.placement}" if e.served else f"stock: {e.reason}"
@@ -332,12 +329,21 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         if key not in transports:
             try:
                 single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
-                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device, config=config,
+                transports[key] = make_transport(config.transport, topo, pg_dist, device=pg.device,
+                                                 options=cuda_options(config), validate_calls=config.validate_calls,
                                                  single_host=single_host)
             except TIDEError as exc:
+                if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
+                    for served in entries:  # leave the model as install found it
+                        for fp in served.served.fsdp_params if served.served else ():
+                            fp.__dict__.pop("_tide_group", None)
+                    for transport in transports.values():
+                        transport.close()
+                    raise TIDEError(f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
+                                    "collectives where the CUDA transport cannot serve)") from exc
                 entry.reason = f"transport unavailable: {exc}"
                 continue
-        group = TideGroup(handle, entry.index, entry.name, pg, transports[key], None, internals)
+        group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
         for fp in pg.fsdp_params:
@@ -371,6 +377,11 @@ def uninstall(model: nn.Module) -> None:
     handle = model.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         return
+    live = [g.name for g in handle.served_groups if g.live]
+    if live:  # checked before anything is undone: the model stays fully served
+        raise TIDEError(f"cannot uninstall TIDE while group(s) {', '.join(live)} are unsharded (e.g. after a "
+                        "forward under torch.no_grad(), where FSDP2 keeps the root unsharded): call "
+                        "model.reshard() first, or uninstall between training steps")
     for group in handle.served_groups:
         group.unbind()
     if handle.internals is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
 from tide_core.fsdp import compat
 from tide_core.plan import GroupLayout
@@ -57,8 +58,9 @@ class _ReadHold:
 
 
 class TideGroup:
-    def __init__(self, handle, index: int, name: str, param_group, transport, ring: SlotRing | None, internals):
-        self.handle = handle
+    def __init__(self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None,
+                 internals):
+        self.config = config
         self.index = index
         self.name = name
         self.pg = param_group
@@ -182,7 +184,7 @@ class TideGroup:
                                  [s.numel() for s in shards])
 
     def _timing_start(self, stream):
-        if not (self.handle.config.profile and self.device.type == "cuda"):
+        if not (self.config.profile and self.device.type == "cuda"):
             return None
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
@@ -269,7 +271,7 @@ class TideGroup:
 
         sources = grads
         slot_source = (
-            self.handle.config.mode == "slot_reuse"
+            self.config.mode == "slot_reuse"
             and self.landings is not None
             and layout is self.layout
             and grads[0].dtype == self.ag_dtype

@@ -12,6 +12,7 @@ from tide_core.plan.allgather import (
     StageCopy,
     allgather_plan,
     allgather_schedule,
+    balance_lanes,
     num_rounds,
 )
 from tide_core.plan.layout import GroupLayout
@@ -20,6 +21,7 @@ from tide_core.plan.reducescatter import (
     Chunk,
     LatinSquarePlan,
     Level1Copy,
+    Level1Step,
     Segment,
     chunk_pieces,
     chunk_segments,
@@ -29,7 +31,9 @@ from tide_core.plan.reducescatter import (
     level1_copies,
     level1_order,
     level1_owner,
+    level1_steps,
     split_copies,
+    split_launches,
 )
 from tide_core.plan.solver import (Calibration, MultinodeEstimate, SolverResult, estimate_all_gather,
                                    estimate_reduce_scatter, solve)
@@ -46,6 +50,7 @@ __all__ = [
     "allgather_schedule",
     "allgather_plan",
     "num_rounds",
+    "balance_lanes",
     "LatinSquarePlan",
     "latin_square_plan",
     "contributor_index",
@@ -56,6 +61,9 @@ __all__ = [
     "chunk_segments",
     "chunk_pieces",
     "split_copies",
+    "split_launches",
+    "level1_steps",
+    "Level1Step",
     "Chunk",
     "Segment",
     "Level1Copy",

@@ -25,9 +25,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--gpus-per-node", type=int, default=8, help="L, GPUs per NVLink domain (default 8)")
     parser.add_argument("--wave-width", type=int, default=None, help="W, contributors per wave (default L)")
     parser.add_argument("--round-width", type=int, default=None, help="k, rail transfers per round (default: solver)")
-    parser.add_argument("--memory-efficient", action="store_true", help="partial outbox (Eq. 9), as Slot-Reuse uses")
+    parser.add_argument("--memory-efficient", action="store_true",
+                        help="partial reduce-scatter outbox (less staging memory), as Slot-Reuse uses")
     parser.add_argument("--itemsize", type=int, default=2, choices=(1, 2, 4), help="all-gather element bytes")
     parser.add_argument("--list-models", action="store_true", help="list the named shape sets and exit")
+    parser.add_argument("--verbose", action="store_true",
+                        help="also the multicast descriptor count and the paper's equation and appendix numbers")
     return parser
 
 
@@ -41,7 +44,8 @@ def main(argv: list[str] | None = None) -> int:
         model = load_shapes_file(args.shapes_file) if args.shapes_file else get_model(args.model)
         topo = Topology(nodes=args.nodes, gpus_per_node=args.gpus_per_node)
         print(model_report(model, topo, itemsize=args.itemsize, wave_width=args.wave_width,
-                           round_width=args.round_width, memory_efficient=args.memory_efficient))
+                           round_width=args.round_width, memory_efficient=args.memory_efficient,
+                           verbose=args.verbose))
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -247,3 +247,18 @@ def allgather_plan(
         sends=[next(t for t in r if t.src_node == n) for r in rounds],
         recvs=[next(t for t in r if t.dst_node == n) for r in rounds],
     )
+
+
+def balance_lanes(pushes: list[LocalPush], lanes: int) -> list[list[LocalPush]]:
+    """Node-peer ``pushes`` spread over at most ``lanes`` copy streams (at least one), balanced by
+    bytes: largest first onto the lightest lane (the first of equally light ones); each lane keeps
+    its pushes in the order they were assigned."""
+    if lanes < 1:
+        raise PlanError(f"lanes={lanes} must be >= 1")
+    out: list[list[LocalPush]] = [[] for _ in range(max(1, min(lanes, len(pushes))))]
+    load = [0] * len(out)
+    for push in sorted(pushes, key=lambda p: -p.nbytes):
+        lane = load.index(min(load))
+        load[lane] += push.nbytes
+        out[lane].append(push)
+    return out

@@ -321,3 +321,65 @@ def split_copies(copies: list[Level1Copy], pieces: list[tuple[int, int]]) -> lis
                 by_piece[i].append(dataclasses.replace(cp, src_offset=cp.src_offset + a - lo_cp, staging_offset=a,
                                                        length=b - a))
     return by_piece
+
+
+def split_launches(chunk: Chunk, lo: int, hi: int, max_segments: int) -> list[tuple[int, int, list[Segment]]]:
+    """(first, count, segments) per sum-kernel launch over chunk-relative elements [lo, hi): at most
+    ``max_segments`` segments each, split at 8-element boundaries (the kernel's unit); a segment
+    straddling a split appears in both launches. PlanError if more than ``max_segments`` segments
+    meet in one 8-element unit (possible only for ``max_segments`` < 8)."""
+    _check_int("max_segments", max_segments, 1)
+    launches, first = [], lo
+    while first < hi:
+        rel = [s for s in chunk.segments
+               if s.out_offset - chunk.start + s.length > first and s.out_offset - chunk.start < hi]
+        if len(rel) > max_segments:
+            end = max((rel[max_segments].out_offset - chunk.start) // 8 * 8, first + 8)
+            if rel[max_segments].out_offset - chunk.start < end:
+                raise PlanError(f"more than {max_segments} segments meet in chunk elements [{first}, {end}); "
+                                f"a sum launch takes at most {max_segments}")
+        else:
+            end = hi
+        launches.append((first, end - first, [s for s in rel[:max_segments] if s.out_offset - chunk.start < end]))
+        first = end
+    return launches
+
+
+@dataclass(frozen=True)
+class Level1Step:
+    """What one rank does for one destination node in a reduce-scatter call."""
+
+    contributor: int  # c: this node is contributor c of node dest_node (c = M: its own node)
+    dest_node: int
+    dest_rank: int  # the destination whose node partial this rank forms in the step
+    chunks: list[Chunk]
+    pieces: list  # per chunk, per piece: (the Level1Copy pushes this rank issues, sum kernel launches
+    #               (first, count, segments)); a piece's launches start once its pushes arrived
+    order: list[int]  # staged node peers' local ranks, in the order their contributions are added
+
+
+def level1_steps(layout: GroupLayout, topo: Topology, rank: int, chunk_elems: int, piece_elems: int,
+                 max_segments: int) -> list[Level1Step]:
+    """Level-1 steps of a call for ``rank``, c = 1..M (node n reduces for node (n + c) mod M; c = M
+    is its own node, the only step when M = 1): the destination rank this rank owns in the step,
+    its chunks, each chunk's pieces (``chunk_pieces``: the copies and the sum kernel launches of
+    each) and the staged peers' local ranks in the order they are added."""
+    n, u = topo.node_of(rank), topo.local_of(rank)
+    copies = level1_copies(layout, topo, rank, chunk_elems)
+    steps = []
+    for c in range(1, topo.nodes + 1):
+        m = (n + c) % topo.nodes
+        dest = topo.rank(m, (u + c % topo.nodes) % topo.gpus_per_node)  # level1_owner(dest, n) == u
+        chunks = chunk_segments(layout, dest, chunk_elems)
+        by_chunk: list[list[Level1Copy]] = [[] for _ in chunks]
+        for cp in copies:
+            if topo.node_of(cp.dest_rank) == m:
+                by_chunk[cp.chunk].append(cp)
+        order = [topo.local_of(r) for r in level1_order(topo, dest, n) if r != rank]
+        pieces = []
+        for chunk, chunk_copies in zip(chunks, by_chunk):
+            bounds = chunk_pieces(chunk.length, piece_elems)
+            pieces.append(list(zip(split_copies(chunk_copies, bounds),
+                                   [split_launches(chunk, lo, hi, max_segments) for lo, hi in bounds])))
+        steps.append(Level1Step(c, m, dest, chunks, pieces, order))
+    return steps

@@ -62,8 +62,20 @@ def group_report(name: str, count: int, shapes, topo: Topology, *, itemsize: int
     )
 
 
+COLUMNS_LEGEND = """\
+count: groups of this shape; params: parameters per group; shard/rank: S, one rank's shard of a group;
+gathered: N*S, the whole group; AG rounds: cross-node rounds of one all-gather; AG copies: copies one
+rank issues per all-gather; AG stage: its receive buffer for other nodes' shards; RS waves / RS rounds:
+reduce-scatter waves of contributors and cross-node rounds; RS copies: copies one rank issues inside
+its node per reduce-scatter."""
+
+MULTICAST_LEGEND = "AG copies if multicast: the count with NVSwitch multicast, which TIDE does not use (a comparison)."
+
+
 def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_width: int | None = None,
-                 round_width: int | None = None, memory_efficient: bool = False) -> str:
+                 round_width: int | None = None, memory_efficient: bool = False, verbose: bool = False) -> str:
+    """The plan as text. ``verbose`` adds the multicast descriptor count and the paper's equation
+    and appendix numbers behind each formula."""
     L, M, N = topo.gpus_per_node, topo.nodes, topo.world_size
     wave_width = wave_width or L
     reports = []
@@ -84,29 +96,35 @@ def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_
         reports.append(group_report(g.name, g.count, g.shapes, topo, itemsize=itemsize, wave_width=wave_width,
                                     round_width=k, memory_efficient=memory_efficient))
 
+    paper = (lambda ref: f" ({ref})") if verbose else (lambda ref: "")
     lines = [
         f"TIDE plan: {model.name} ({model.num_params / 1e9:.2f}B parameters) on {M} node(s) x {L} GPUs "
         f"(N={N}), {itemsize}-byte all-gather, bf16 gradients reduced in fp32",
         "",
-        f"{'group':<8} {'count':>5} {'P':>3} {'S/rank':>11} {'N*S':>11} {'AG rnd':>6} {'AG desc':>8} "
-        f"{'(mcast)':>8} {'stage':>11} {'RS wave':>7} {'RS rnd':>6} {'L1 desc':>8}",
+        f"{'group':<8} {'count':>5} {'params':>6} {'shard/rank':>11} {'gathered':>11} {'AG rounds':>9} "
+        f"{'AG copies':>9} " + (f"{'AG copies if multicast':>22} " if verbose else "")
+        + f"{'AG stage':>11} {'RS waves':>8} {'RS rounds':>9} {'RS copies':>9}",
     ]
     for r in reports:
         lines.append(
-            f"{r.name:<8} {r.count:>5} {r.num_params:>3} {fmt_bytes(r.shard_bytes):>11} {fmt_bytes(r.group_bytes):>11} "
-            f"{r.ag_rounds:>6} {r.ag_descriptors:>8} {r.ag_descriptors_multicast:>8} {fmt_bytes(r.stage_bytes):>11} "
-            f"{r.rs_waves:>7} {r.rs_rounds:>6} {r.rs_level1_copies:>8}"
+            f"{r.name:<8} {r.count:>5} {r.num_params:>6} {fmt_bytes(r.shard_bytes):>11} {fmt_bytes(r.group_bytes):>11} "
+            f"{r.ag_rounds:>9} {r.ag_descriptors:>9} " + (f"{r.ag_descriptors_multicast:>22} " if verbose else "")
+            + f"{fmt_bytes(r.stage_bytes):>11} {r.rs_waves:>8} {r.rs_rounds:>9} {r.rs_level1_copies:>9}"
         )
+    lines += ["", COLUMNS_LEGEND] + ([MULTICAST_LEGEND] if verbose else [])
     lines += [
         "",
-        f"Latin square: W={wave_width} k={k} waves={len(ls.waves)} generations={ls.generations} "
-        f"outbox depth={ls.outbox_depth} ({'memory-efficient' if memory_efficient else 'full'} outbox): {validity}",
-        f"Solver (Appendix G, paper calibration): sum CTAs={sol.sum_ctas} landing CTAs={sol.landing_ctas} "
-        f"round width k={sol.round_width} rounds={sol.num_rounds} t_NIC={sol.t_nic * 1e3:.2f} ms",
+        f"Reduce-scatter schedule (Latin square): wave width W={wave_width}, round width "
+        f"k={k}, {len(ls.waves)} wave(s), {ls.generations} generation(s), outbox depth {ls.outbox_depth} "
+        f"({'memory-efficient' if memory_efficient else 'full'} outbox): {validity}",
+        f"Solver's choice{paper('Appendix G')} (cost-model constants from the design paper): "
+        f"sum CTAs={sol.sum_ctas} landing CTAs={sol.landing_ctas} round width k={sol.round_width} "
+        f"rounds={sol.num_rounds} network time per round {sol.t_nic * 1e3:.2f} ms",
     ]
     bounds = memory_bounds(M, L, ls.generations, k, 2)
     lines += [
-        f"RS staging bounds (Eq. 11/12, units of N*S): in_place={bounds['in_place']:.3f} slot_reuse={bounds['slot_reuse']:.3f}",
+        f"Reduce-scatter staging bound{paper('Eq. 11/12')}, in units of N*S: in_place={bounds['in_place']:.3f} "
+        f"slot_reuse={bounds['slot_reuse']:.3f}",
         "",
         f"Backward live bytes per GPU, largest group '{largest[0]}' (S={fmt_bytes(largest[1].total_shard_bytes)}, "
         f"N*S={fmt_bytes(largest[1].group_bytes)}):",

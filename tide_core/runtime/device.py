@@ -17,12 +17,12 @@ DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 class CudaDevice:
     """One CUDA device; every method enqueues work and returns at once unless documented.
-    ``sum_kernel``: the reduce-scatter sum kernel (``TIDEConfig.sum_kernel``)."""
+    ``sum_kernel``: the reduce-scatter sum kernel (``CudaOptions.sum_kernel``)."""
 
     def __init__(self, device: torch.device, sum_kernel: str = "auto"):
         self.device = torch.device(device)
         self.lib = native.lib()
-        kernels = self.lib.SUM_KERNELS  # TIDEConfig.sum_kernel's names -> tide_core._C's codes
+        kernels = self.lib.SUM_KERNELS  # CudaOptions.sum_kernel's names -> tide_core._C's codes
         if sum_kernel not in kernels:
             raise ValueError(f"sum_kernel={sum_kernel!r} is not supported; choose one of {', '.join(kernels)}")
         self.sum_kernel = kernels[sum_kernel]

@@ -7,6 +7,8 @@ import torch
 from tide_core.errors import TIDEError
 from tide_core.plan import Topology
 
+TRANSPORTS = ("auto", "reference", "cuda")
+
 
 def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_host: bool = True,
                             rail: str = "auto") -> str | None:
@@ -30,25 +32,28 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_
     return None
 
 
-def make_transport(kind: str, topology: Topology, group, *, device: torch.device, config=None,
-                   single_host: bool = True):
-    """Build the transport ``kind`` ("auto" | "reference" | "cuda") for one shard process group.
+def make_transport(kind: str, topology: Topology, group, *, device: torch.device, options=None,
+                   validate_calls: bool = True, single_host: bool = True):
+    """Build the transport ``kind`` (one of TRANSPORTS) for one shard process group. ``options``: the
+    CUDA transport's ``CudaOptions`` (the reference transport takes their wave and round widths);
+    ``validate_calls``: the reference transport compares every call's shapes across ranks.
     ``single_host``: every rank of ``group`` runs on this machine. ``auto`` on CUDA groups is the CUDA
     transport (groups that span hosts: over the ``nccl`` rail) or, where it cannot serve (no
-    ``tide_core._C``, no NCCL for a group that spans hosts), a TIDEError naming why, so the caller keeps stock collectives for the group: the reference
-    transport is the correctness oracle, not a faster path. CPU groups get the reference transport."""
-    from tide_core.config import TIDEConfig
+    ``tide_core._C``, no NCCL for a group that spans hosts), a TIDEError naming why, so the caller
+    keeps stock collectives for the group: the reference transport is the correctness oracle, not a
+    faster path. CPU groups get the reference transport."""
+    from tide_core.transport.cuda.options import CudaOptions
 
-    config = config or TIDEConfig()
+    options = options or CudaOptions()
     device = torch.device(device)
-    if kind not in ("auto", "reference", "cuda"):
-        raise ValueError(f"transport={kind!r} is not supported; choose one of auto, reference, cuda")
+    if kind not in TRANSPORTS:
+        raise ValueError(f"transport={kind!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
     if kind in ("auto", "cuda"):
-        reason = cuda_unavailable_reason(topology, device, single_host=single_host, rail=config.rail)
+        reason = cuda_unavailable_reason(topology, device, single_host=single_host, rail=options.rail)
         if reason is None:
             from tide_core.transport.cuda import CudaTransport
 
-            return CudaTransport(topology, group, config=config, single_host=single_host)
+            return CudaTransport(topology, group, options=options, single_host=single_host)
         if kind == "cuda":
             raise TIDEError(f"transport='cuda' requested but {reason}")
         if device.type == "cuda":
@@ -56,5 +61,5 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
                             "TIDE's plan over torch.distributed instead)")
     from tide_core.transport.reference import ReferenceTransport
 
-    return ReferenceTransport(topology, group, wave_width=config.wave_width, round_width=config.round_width,
-                              validate=config.validate_calls, device=device)
+    return ReferenceTransport(topology, group, wave_width=options.wave_width, round_width=options.round_width,
+                              validate=validate_calls, device=device)

@@ -15,7 +15,7 @@ stream wait). Argument checks live here so both transports reject bad input the 
 from __future__ import annotations
 
 import abc
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -119,6 +119,7 @@ class Transport(abc.ABC):
     name: str = "abstract"
     topology: Topology
     arena: Arena
+    device: torch.device
 
     @abc.abstractmethod
     def all_gather(self, layout: GroupLayout, shards, outputs): ...
@@ -145,5 +146,11 @@ class Transport(abc.ABC):
         """Transport-owned staging memory (reduce-scatter chunks, flags)."""
         return 0
 
-    def close(self) -> None:
+    def describe(self) -> list[str]:
+        """Lines for the install report: what serves the group, then any details."""
+        topo = self.topology
+        where = "GPU(s)" if self.device.type == "cuda" else f"{self.device.type} process(es)"
+        return [f"{self.name} ({topo.nodes} node(s) x {topo.gpus_per_node} {where})"]
+
+    def close(self) -> None:  # noqa: B027 (an optional hook, not abstract)
         """Release background resources (threads); buffers go with the transport."""

@@ -28,9 +28,8 @@ import torch
 import torch.distributed as dist
 
 from tide_core.plan import Topology
+from tide_core.plan.buffers import FLAG_LINE
 from tide_core.runtime.groups import TopologyGroups
-
-FLAG_LINE = 64  # one credit word per cache line
 
 
 @dataclass(frozen=True, eq=False)

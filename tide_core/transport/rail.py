@@ -21,7 +21,7 @@ Implementations:
   two GPUs) and is what the CPU tests drive through the emulated device.
 * ``nccl``: grouped send/recv through torch.distributed (``tide_core.transport.dist_rail``), the
   rail for groups that span hosts. It is two-sided, so it does not use ``put``/``signal``/``wait``:
-  the CUDA transport records ``exchange`` host steps instead (``tide_core.transport.two_sided``).
+  the CUDA transport records ``exchange`` host steps instead (``cuda.allgather``, ``cuda.level2``).
 * ``nccl_rma``: NCCL host RMA (``ncclPutSignal`` / ``ncclWaitSignal`` over windows registered with
   ``NCCL_WIN_COLL_SYMMETRIC`` on rail communicators split with ``ncclCommSplit(color = local
   rank)``). NCCL's signals are counters (+1 per put or signal, ``sigIdx`` 0 only, applied in order
@@ -35,15 +35,30 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+from typing import Protocol
 
-from tide_core.config import RAILS
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
+from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
-FLAG_LINE = 64  # one signal word per cache line
+RAILS = ("auto", "p2p", "nccl", "nccl_rma")  # TIDEConfig.rail / CudaOptions.rail
 NCCL_RMA_MIN_VERSION = (2, 29, 0)  # ncclPutSignal / ncclWaitSignal (host RMA) arrived in NCCL 2.29
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
+
+
+class Rail(Protocol):
+    """What the collectives use of a one-sided rail (see the module docstring); a two-sided rail
+    (``two_sided``: the ``nccl`` rail, ``tide_core.transport.dist_rail``) offers ``exchange`` instead."""
+
+    name: str
+    two_sided: bool
+
+    def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None: ...
+
+    def signal(self, dev, stream, node: int, slot: int, value: int) -> None: ...
+
+    def wait(self, dev, stream, node: int, slot: int, value: int) -> None: ...
 
 
 class P2PRail:
@@ -70,7 +85,7 @@ class P2PRail:
     def _word(self, slot: int, sender_node: int) -> int:
         if not 0 <= slot < self.slots:
             raise ValueError(f"signal slot {slot} outside [0, {self.slots})")
-        return FLAG_LINE * (slot * self.topology.nodes + sender_node)
+        return flag_offset(slot, sender_node, self.topology.nodes)
 
     def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None:
         base = window.peer_ptrs[self.peer_rank(node)]

@@ -175,6 +175,9 @@ def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, sl
     if rank == faulty_rank and stop_after is not None:
         time.sleep(6)  # stopped, not gone: the peers' waits must end by their own timeout
     shut_down(dev, alloc)
+    # Nobody leaves while a peer may still be inside an exchange with it: gloo aborts a process
+    # whose peer closed the connection, before it could report its outcome.
+    dist.barrier()
     return outcome
 
 

@@ -64,8 +64,9 @@ class TIDEConfig:
     #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
     #: ~9 us of host enqueue per slice and made the call up to 65% slower.
     sum_slice_mib: float = 0.0
-    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
-    #: nccl_rma where available), "p2p" (copy-engine P2P, one host) or "nccl_rma" (NCCL >= 2.31).
+    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else nccl),
+    #: "p2p" (copy-engine P2P, one host), "nccl" (grouped send/recv through torch.distributed) or
+    #: "nccl_rma" (NCCL host RMA, >= 2.29 and a NIC that supports it; not built yet).
     rail: str = "auto"
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None

@@ -103,3 +103,21 @@ def test_cli_shapes_file_and_bad_input(tmp_path, capsys):
     assert main(["--shapes-file", str(bad)]) == 2
     assert main(["--model", "llama3-8b", "--nodes", "9", "--gpus-per-node", "8", "--wave-width", "3"]) == 0
     assert "INVALID" in capsys.readouterr().out
+
+
+def test_multinode_estimates_add_up_by_hand():
+    from tide_core.plan import estimate_all_gather, estimate_reduce_scatter
+
+    S, nic, ce, sums = 100, 10.0, 50.0, 200.0
+    # 4 nodes x 8: 3 S over the rail in 2 rounds; 7 * 4 S over the node links; the last round moves 2 slots
+    ag = estimate_all_gather(nodes=4, gpus_per_node=8, shard_bytes=S, bw_rail=nic, bw_copy=ce)
+    assert (ag.rail, ag.node_links, ag.tail) == (30.0, 56.0, 28.0)
+    assert ag.total == max(30.0, 56.0 - 28.0) + 28.0
+    # fp32 output E4 = 400 bytes, bf16 gradients: 3 partials over the rail, 4 * 7 * 200 bytes pushed,
+    # 4 partials of (8 * 2 / 4 + 1) * 400 bytes of sum traffic, a landing over 5 blocks
+    rs = estimate_reduce_scatter(nodes=4, gpus_per_node=8, output_bytes_fp32=400, bw_rail=nic, bw_copy=ce,
+                                 bw_sum_total=sums)
+    assert (rs.rail, rs.node_links, rs.sums, rs.tail) == (120.0, 112.0, 40.0, 10.0)
+    assert rs.total == 130.0
+    single = estimate_all_gather(nodes=1, gpus_per_node=8, shard_bytes=S, bw_rail=nic, bw_copy=ce)
+    assert single.rail == 0.0 and single.tail == 0.0

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tide_core.runtime.program import ReplayedProgram
+from tide_core.runtime.program import CALLER, ProgramRecorder, ReplayedProgram
 
 _WORD = ctypes.c_uint32
 
@@ -66,12 +66,20 @@ class EmuStream:
     def submit(self, fn):
         self.q.put(fn)
 
+    @property
+    def cuda_stream(self):  # the handle a compiled program is given: the stream itself
+        return self
+
 
 class HostStream:
     """The caller's "current stream": runs operations inline (the test thread blocks)."""
 
     def __init__(self, device):
         self.device = device
+
+    @property
+    def cuda_stream(self):  # the handle a compiled program is given: the stream itself
+        return self
 
     def submit(self, fn):
         fn()
@@ -83,11 +91,14 @@ class EmulatedDevice:
     max_sources = 16
 
     def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0,
-                 push_delay_s: float = 0.0):
+                 push_delay_s: float = 0.0, segmented: bool = False):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
         ``sum_delay_s`` / ``copy_delay_s`` / ``push_delay_s``: slow sum kernels / copy kernels and 2-D
-        copies (the stage scatters) / copy-engine batches, to expose missing credits and signals."""
+        copies (the stage scatters) / copy-engine batches, to expose missing credits and signals.
+        ``segmented``: recordings with host steps are compiled as on GPUs (``SegmentedProgram`` over
+        ``EmulatedNativeLib``) instead of replayed operation by operation."""
+        self.segmented = segmented
         self.copy_delay_s = copy_delay_s
         self.push_delay_s = push_delay_s
         self.hardware_queues = hardware_queues
@@ -98,6 +109,8 @@ class EmulatedDevice:
         self.sum_delay_s = sum_delay_s
         self.copies = 0
         self.kernels = 0  # sum kernels
+        self.host_steps = 0
+        self._comm: EmuStream | None = None  # the communication stream of host steps
 
     def stream(self, priority: int = 0) -> EmuStream:
         n = len(self.streams)
@@ -153,7 +166,33 @@ class EmulatedDevice:
             stream.submit(lambda: time.sleep(self.copy_delay_s))
         self.copy_batch(stream, dsts, srcs, sizes)
 
+    def host_step(self, stream, step):
+        """A host step as ProcessGroupNCCL runs it: on one communication stream per device (its own
+        FIFO, in issue order), after ``stream``'s earlier work; ``stream`` continues once it is done.
+        A step a stalled peer never matches blocks the communication thread (a daemon) until the
+        process group's timeout, as NCCL's would until its watchdog aborts the communicator."""
+        if self._comm is None:
+            self._comm = EmuStream(self, "comm")
+        self.wait_event(self._comm, self.record(stream))
+
+        def run():
+            try:
+                for work in step.issue():
+                    work.wait()  # gloo's works complete only through wait()
+            except Exception as exc:  # a failed transfer never completes, as on an aborted communicator
+                self.errors.append(exc)
+                self.stop.wait()
+
+        self._comm.submit(run)
+        self.wait_event(stream, self.record(self._comm))
+        self.host_steps += 1
+
     def compile(self, recorder, outputs, ring=4):
+        if self.segmented and recorder.has_host_steps:
+            from tide_core.runtime.device import SegmentedProgram
+
+            return SegmentedProgram(self, EmulatedNativeLib(self), recorder, outputs, ring, 0,
+                                    wrap=lambda lib, event, program: event)
         return ReplayedProgram(self, recorder, outputs)
 
     def write_flags(self, stream, addresses, value):
@@ -222,8 +261,54 @@ class EmulatedDevice:
 
     def close(self):
         self.stop.set()
-        for s in {id(s.q): s for s in self.streams}.values():
+        for s in {id(s.q): s for s in self.streams + ([self._comm] if self._comm else [])}.values():
             s.q.put(None)
+
+
+class EmulatedNativeLib:
+    """The part of tide_core._C that compiled programs use, over the emulated device: handles are
+    the emulated streams and events themselves."""
+
+    CALLER_STREAM = "caller stream handle"
+
+    def __init__(self, device: EmulatedDevice):
+        self.device = device
+
+    def StreamProgram(self, num_events: int) -> "EmulatedStreamProgram":
+        return EmulatedStreamProgram(self.device, num_events)
+
+    def stream_wait_event(self, stream, event) -> None:
+        self.device.wait_event(stream, event)
+
+    def event_query(self, event) -> bool:
+        return event.query()
+
+
+class EmulatedStreamProgram:
+    """tide_core._C.StreamProgram's interface: operations added once (kept in a ProgramRecorder's
+    format), replayed with a flag base through ``ReplayedProgram``."""
+
+    DTYPES = {0: torch.bfloat16, 1: torch.float16, 2: torch.float32}
+
+    def __init__(self, device: EmulatedDevice, num_events: int):
+        self.device, self.recording, self.outputs = device, ProgramRecorder(base=0, num_events=num_events), []
+        for kind in ("record", "wait_event", "write_flags", "wait_flags", "copy_batch", "copy_2d", "copy_kernel"):
+            setattr(self, kind, lambda stream, *args, kind=kind: self._add(kind, stream, *args))
+
+    def _add(self, kind, stream, *args) -> None:
+        self.recording.ops.append((kind, CALLER if stream == EmulatedNativeLib.CALLER_STREAM else stream, *args))
+
+    def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype_code, ctas, sum_kernel):
+        self._add("sum", stream, out, staged, segments, first, count, alpha, accumulate, self.DTYPES[dtype_code], ctas)
+
+    def set_outputs(self, events, ring) -> None:
+        self.outputs = list(events)
+
+    def __len__(self) -> int:
+        return len(self.recording.ops)
+
+    def replay(self, caller_stream, base: int) -> list:
+        return ReplayedProgram(self.device, self.recording, self.outputs).replay(caller_stream, base)
 
 
 def shared_memory_allocator(group, tag: str):

@@ -197,8 +197,8 @@ def test_gpu_fault_injection_is_detected(name):
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
 
 
-def _rail_suite(rank, world_size, seed, mode):
-    """M = world_size "nodes" x L = 1 on one host over the p2p rail: the all-gather's Bruck rounds and
+def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
+    """M = world_size "nodes" x L = 1 on one host over ``rail``: the all-gather's Bruck rounds and
     the reduce-scatter's per-node Level 1, rail partials and wave landing, against the reference
     transport bit for bit (256 KiB chunks: several per Level-1 step)."""
     from tide_core.transport.cuda import CudaTransport
@@ -206,7 +206,7 @@ def _rail_suite(rank, world_size, seed, mode):
 
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
-    t = CudaTransport(topo, options=cuda_options(TIDEConfig(timeout_s=60, rail="p2p", mode=mode, chunk_mib=0.25,
+    t = CudaTransport(topo, options=cuda_options(TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25,
                                                             sum_slice_mib=0.0625)))  # pieces and landing slices
     reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)

@@ -1,4 +1,5 @@
-"""Rail transport selection, the nccl_rma availability probe and the p2p rail's signal words."""
+"""Rail transport selection, the nccl_rma availability probe, the p2p rail's signal words and the
+nccl rail's recorded exchanges."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from tide_core.plan import Topology
 from tide_core.runtime.arena import Segment
 from tide_core.runtime.program import ProgramRecorder
 from tide_core.transport import cuda_unavailable_reason, make_transport
+from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, make_rail, nccl_rma_unavailable_reason
 
 
@@ -28,10 +30,10 @@ def test_nccl_version_codes_decode():
     assert _version_tuple(2708) == (2, 7, 8)
 
 
-def test_nccl_rma_is_refused_below_2_31_with_the_reason():
+def test_nccl_rma_is_refused_below_2_29_with_the_reason():
     reason = nccl_rma_unavailable_reason((2, 28, 9))
-    assert "NCCL 2.28.9 < 2.31.0" in reason and "ncclPutSignal" in reason
-    assert "not built" in nccl_rma_unavailable_reason((2, 31, 0), library="")
+    assert "NCCL 2.28.9 < 2.29.0" in reason and "ncclPutSignal" in reason
+    assert "not built" in nccl_rma_unavailable_reason((2, 29, 0), library="")
 
 
 def test_rail_selection():
@@ -41,6 +43,9 @@ def test_rail_selection():
     with pytest.raises(TransportError, match="one host"):
         make_rail("p2p", topo, 0, flags, 6, single_host=False)
     with pytest.raises(TransportError, match="nccl_rma"):
+        make_rail("nccl_rma", topo, 0, flags, 6, single_host=True)
+    # across hosts "auto" is the nccl rail, which runs on the transport's rail process group
+    with pytest.raises(TransportError, match="rail='nccl' needs the group's topology process groups"):
         make_rail("auto", topo, 0, flags, 6, single_host=False)
     with pytest.raises(ValueError, match="rail='bogus'"):
         make_rail("bogus", topo, 0, flags, 6, single_host=True)
@@ -59,13 +64,18 @@ def test_cuda_transport_serves_emulated_nodes_on_one_host_only():
         pytest.skip("tide_core._C is not built here")
     cuda = torch.device("cuda", 0)
     assert cuda_unavailable_reason(topo, cuda, single_host=True) is None  # p2p rail
+    # across hosts "auto" serves the group over the nccl rail; p2p and nccl_rma cannot
     across_hosts = cuda_unavailable_reason(topo, cuda, single_host=False)
-    assert "2 nodes" in across_hosts and "nccl_rma" in across_hosts
+    if torch.distributed.is_nccl_available():
+        assert across_hosts is None
+    else:  # a CPU build of torch
+        assert across_hosts == "2 nodes: the 'nccl' rail needs torch.distributed with NCCL"
+    assert "rail='p2p' needs one host" in cuda_unavailable_reason(topo, cuda, single_host=False, rail="p2p")
     assert "nccl_rma" in cuda_unavailable_reason(topo, cuda, single_host=True, rail="nccl_rma")
-    # across hosts without the nccl_rma rail, "auto" leaves the group to stock collectives (the
-    # adapter turns this error into the group's fallback reason)
+    # a rail that cannot serve leaves the group to stock collectives (the adapter turns this error
+    # into the group's fallback reason)
     with pytest.raises(TIDEError, match="nccl_rma.*stock collectives serve this group"):
-        make_transport("auto", topo, None, device=cuda, single_host=False)
+        make_transport("auto", topo, None, device=cuda, single_host=True, options=CudaOptions(rail="nccl_rma"))
 
 
 def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():
@@ -84,3 +94,35 @@ def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():
     assert wait == ("wait_flags", "s", [peers[3] + FLAG_LINE * (4 * 3 + 0)], 0)  # slot 4, from node 0
     with pytest.raises(ValueError, match="slot 6"):
         rail.signal(rec, "s", 2, 6, 8)
+
+
+def test_nccl_rail_records_one_grouped_exchange_with_global_peers_and_local_credit_words():
+    import torch
+
+    from tide_core.runtime.groups import TopologyGroups
+    from tide_core.transport.dist_rail import DistRail
+
+    topo = Topology(3, 2)  # rank 3 = node 1, local 1; its rail peers are TIDE ranks 1 and 5
+    rail_group = object()
+    groups = TopologyGroups(topology=topo, group=None, rank=3, global_ranks=[10, 11, 12, 13, 14, 15],
+                            node_group=None, rail_group=rail_group)
+    flags = _FakeSegment(FLAG_LINE * 4, 0x4000, None)
+    rail = DistRail(topo, groups, flags, 4)
+    # rail selection: across hosts "auto" and "nccl" give this rail, on one host "auto" stays p2p
+    chosen = make_rail("auto", topo, 3, flags, 1, single_host=False, groups=groups)
+    assert isinstance(chosen, DistRail) and chosen.name == "nccl" and chosen.words == 4
+    assert isinstance(make_rail("nccl", topo, 3, flags, 1, single_host=True, groups=groups), DistRail)
+    assert rail.peer(2) == 15 and rail.peer(0) == 11
+    assert rail.credit_word(3) == 0x4000 + 3 * FLAG_LINE
+    with pytest.raises(ValueError, match="credit word 4"):
+        rail.credit_word(4)
+    rec = ProgramRecorder(base=0)
+    a, b, empty = torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)
+    rail.exchange(rec, "s", [(2, a), (2, empty)], [(0, b)])
+    assert rec.has_host_steps
+    (kind, stream, step), = rec.ops
+    assert (kind, stream, step.group) == ("host_step", "s", rail_group)
+    assert [(peer, t is a) for peer, t in step.sends] == [(15, True)]  # the empty send is left out
+    assert [(peer, t is b) for peer, t in step.recvs] == [(11, True)] and step.nbytes == 12
+    with pytest.raises(ValueError, match="1-D uint8"):
+        rail.exchange(rec, "s", [(2, torch.zeros(2))], [])

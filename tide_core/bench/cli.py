@@ -56,10 +56,13 @@ def _collectives_worker(rank, world_size, args):
         print(body, flush=True)
         if args.write:
             kind = args.command if args.nodes == 1 else f"{args.command}-{args.nodes}nodes-emulated"
+            rail = getattr(t, "rail", None)  # the CUDA transport's; the reference transport has none
+            if rail is not None and rail.name != "p2p":
+                kind += f"-{rail.name}-rail"
             title = f"TIDE-{args.command.upper()} vs stock FSDP2 vs bare NCCL"
             if args.nodes > 1:
                 title += (f" ({args.nodes} nodes x {world_size // args.nodes} GPUs emulated on one host: "
-                          f"TIDE's cross-node hops use the p2p rail)")
+                          f"TIDE's cross-node hops use {f'the {rail.name} rail' if rail else 'torch.distributed'})")
             path = write_result(args.out, kind, title, body)
             print(f"wrote {path}")
         with open(os.path.join(args.scratch, f"{args.command}.json"), "w") as f:

@@ -35,7 +35,8 @@ from tide_core.plan.reducescatter import (
     split_copies,
     split_launches,
 )
-from tide_core.plan.solver import Calibration, SolverResult, solve
+from tide_core.plan.solver import (Calibration, MultinodeEstimate, SolverResult, estimate_all_gather,
+                                   estimate_reduce_scatter, solve)
 from tide_core.plan.topology import Topology
 
 __all__ = [
@@ -72,4 +73,7 @@ __all__ = [
     "Calibration",
     "SolverResult",
     "solve",
+    "MultinodeEstimate",
+    "estimate_all_gather",
+    "estimate_reduce_scatter",
 ]

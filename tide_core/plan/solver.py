@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 
 from tide_core.errors import PlanError
+from tide_core.plan.allgather import num_rounds, slots_in_round
 from tide_core.plan.reducescatter import count_rounds
 
 
@@ -91,3 +92,45 @@ def solve(
         else:
             break
     return SolverResult(sum_ctas=sum_ctas, landing_ctas=landing_ctas, round_width=k, num_rounds=rounds, t_nic=t_nic)
+
+
+@dataclass(frozen=True)
+class MultinodeEstimate:
+    """Bandwidth-bound time of one multi-node call, by phase (seconds); ``total`` overlaps them."""
+
+    rail: float  # cross-node bytes over one rail
+    node_links: float  # copy-engine bytes out of one GPU over the node's links
+    sums: float  # Level-1 sum kernel traffic (reduce-scatter)
+    tail: float  # work after the last rail transfer lands: its stage scatter / the last landing
+    total: float
+
+
+def estimate_all_gather(*, nodes: int, gpus_per_node: int, shard_bytes: int, bw_rail: float,
+                        bw_copy: float) -> MultinodeEstimate:
+    """TIDE-AG over a rail: (M - 1) S bytes reach each rank over its rail in ceil(log2 M) Bruck
+    rounds; each GPU writes its own shard and every received one into its L - 1 node peers' landings
+    ((L - 1) M S bytes over the node's links, at the copy-engine rate ``bw_copy``). Rounds pipeline
+    the two, except the last round's scatter, which follows its arrival (a round is one exchange; its
+    bytes are usable when it completes). Per-exchange latency is not modelled."""
+    M, L, S = nodes, gpus_per_node, shard_bytes
+    rail = (M - 1) * S / bw_rail
+    links = (L - 1) * M * S / bw_copy
+    rounds = num_rounds(M)
+    tail = (L - 1) * slots_in_round(M, rounds - 1) * S / bw_copy if rounds else 0.0
+    return MultinodeEstimate(rail, links, 0.0, tail, max(rail, links - tail) + tail)
+
+
+def estimate_reduce_scatter(*, nodes: int, gpus_per_node: int, output_bytes_fp32: int, bw_rail: float,
+                            bw_copy: float, bw_sum_total: float, grad_itemsize: int = 2) -> MultinodeEstimate:
+    """TIDE-RS over a rail: each rank pushes (L - 1) of its L rows per destination node into the
+    owners' staging (M (L - 1) S_grad bytes over the node's links), the Level-1 sums move
+    (L b / 4 + 1) bytes per fp32 partial byte (Eq. 13's bracket) for M partials, M - 1 fp32 partials
+    cross the rail (t_NIC of ``solve``), and the last landing reads M partials and writes the output.
+    ``bw_sum_total``: the sum kernel's read-plus-write rate at the configured CTAs."""
+    M, L, E4 = nodes, gpus_per_node, output_bytes_fp32
+    grad_bytes = E4 * grad_itemsize // 4
+    rail = (M - 1) * E4 / bw_rail
+    links = M * (L - 1) * grad_bytes / bw_copy
+    sums = M * (L * grad_itemsize / 4 + 1) * E4 / bw_sum_total
+    tail = (M + 1) * E4 / bw_sum_total
+    return MultinodeEstimate(rail, links, sums, tail, max(rail, links, sums) + tail)

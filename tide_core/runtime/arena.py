@@ -32,8 +32,14 @@ def tensor_at(base: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -
         raise ValueError(f"offset={offset} + {nbytes} bytes lies outside the {base.numel() * base.element_size()}-byte base")
     if (base.data_ptr() + offset) % dtype.itemsize:
         raise ValueError(f"offset={offset} is not aligned to {dtype}")
-    storage = torch._C._construct_storage_from_data_pointer(base.data_ptr() + offset, base.device, nbytes)
-    return torch.empty(0, dtype=dtype, device=base.device).set_(storage, 0, (numel,), (1,))
+    return raw_tensor(base.data_ptr() + offset, numel, dtype, base.device)
+
+
+def raw_tensor(ptr: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D tensor over ``numel`` elements at device address ``ptr`` that does not own them (the
+    memory's owner must outlive it), like the raw addresses recorded stream programs hold."""
+    storage = torch._C._construct_storage_from_data_pointer(ptr, device, numel * dtype.itemsize)
+    return torch.empty(0, dtype=dtype, device=device).set_(storage, 0, (numel,), (1,))
 
 
 @dataclass

@@ -84,10 +84,22 @@ class CudaDevice:
         self.lib.launch_sum(out, staged, segments, first, count, alpha, accumulate, DTYPE_CODES[dtype], ctas,
                             stream.cuda_stream, self.sum_kernel)
 
+    # host steps ---------------------------------------------------------------------------------------
+    def host_step(self, stream, step) -> None:
+        """Issue ``step`` (e.g. a rail's grouped NCCL send/recv) with ``stream`` current: ProcessGroupNCCL
+        orders its communication stream after ``stream``, and ``wait()`` on each returned work orders
+        ``stream`` after the communication, without blocking the host."""
+        with torch.cuda.stream(stream):
+            for work in step.issue():
+                work.wait()
+
     # stream programs ---------------------------------------------------------------------------------
-    def compile(self, recorder, outputs: list[int], ring: int = 4) -> "CompiledProgram":
+    def compile(self, recorder, outputs: list[int], ring: int = 4):
         """``ring``: output events per output, so a returned event stays this call's for ``ring``
-        replays of the same program (FSDP2 waits on a group's call long before its next one)."""
+        replays of the same program (FSDP2 waits on a group's call long before its next one).
+        Recordings with host steps (the ``nccl`` rail) are cut at them into compiled segments."""
+        if recorder.has_host_steps:
+            return SegmentedProgram(self, self.lib, recorder, outputs, ring, self.sum_kernel)
         return CompiledProgram(self.lib, recorder, outputs, ring, self.sum_kernel)
 
     @property
@@ -118,28 +130,103 @@ class NativeEvent:
         self.lib.stream_wait_event(stream.cuda_stream, self.handle)
 
 
+def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, sum_kernel: int):
+    """``ops`` (recorded operations, events numbered below ``num_events``) as a ``StreamProgram``."""
+    program = lib.StreamProgram(num_events)
+
+    def handle(stream) -> int:
+        return lib.CALLER_STREAM if stream is CALLER else stream.cuda_stream
+
+    for kind, stream, *args in ops:
+        if kind == "sum":
+            out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
+            program.sum(handle(stream), out, staged, segments, first, count, alpha, accumulate,
+                        DTYPE_CODES[dtype], ctas, sum_kernel)
+        else:
+            getattr(program, kind)(handle(stream), *args)
+    program.set_outputs(outputs, ring)
+    return program
+
+
 class CompiledProgram:
     """A ``ProgramRecorder``'s recording as a ``tide_core._C.StreamProgram``: one host call per replay."""
 
     def __init__(self, lib, recorder, outputs: list[int], ring: int, sum_kernel: int):
         self.lib = lib
-        program = lib.StreamProgram(recorder.num_events)
-
-        def handle(stream) -> int:
-            return lib.CALLER_STREAM if stream is CALLER else stream.cuda_stream
-
-        for kind, stream, *args in recorder.ops:
-            if kind == "sum":
-                out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
-                program.sum(handle(stream), out, staged, segments, first, count, alpha, accumulate,
-                            DTYPE_CODES[dtype], ctas, sum_kernel)
-            else:
-                getattr(program, kind)(handle(stream), *args)
-        program.set_outputs(outputs, ring)
-        self.program = program
+        self.program = _stream_program(lib, recorder.ops, recorder.num_events, outputs, ring, sum_kernel)
 
     def __len__(self) -> int:
         return len(self.program)
 
     def replay(self, caller_stream, base: int) -> list[NativeEvent]:
         return [NativeEvent(self.lib, h, self) for h in self.program.replay(caller_stream.cuda_stream, base)]
+
+
+class SegmentedProgram:
+    """A recording with host steps: the operations between two host steps compiled into one
+    ``StreamProgram`` (a segment), replayed in order with each host step issued in between
+    (``device.host_step``). An event recorded in one segment and waited on in a later one is an
+    output of the first; the later segment's stream waits for it before that segment is replayed.
+    That moves the wait ahead of the stream's other work of the segment: it only adds ordering, on
+    work enqueued earlier, so it adds no wait cycle. ``wrap(lib, handle, program)`` makes the
+    returned events (``NativeEvent`` on GPUs)."""
+
+    def __init__(self, device, lib, recorder, outputs: list[int], ring: int, sum_kernel: int, wrap=NativeEvent):
+        self.device, self.lib, self.outputs, self.wrap = device, lib, list(outputs), wrap
+        pieces: list = [[]]  # segments' operations, with each host step between two of them
+        for op in recorder.ops:
+            if op[0] == "host_step":
+                pieces += [op, []]
+            else:
+                pieces[-1].append(op)
+        segments = pieces[::2]
+        home = {}  # event -> index of the segment that records it
+        for i, ops in enumerate(segments):
+            home.update({op[2]: i for op in ops if op[0] == "record"})
+        needed = {e: set() for e in range(recorder.num_events)}  # event -> segments that wait for it
+        for i, ops in enumerate(segments):
+            for op in ops:
+                if op[0] == "wait_event" and home[op[2]] != i:
+                    needed[op[2]].add(i)
+        self.parts = []  # ("segment", program, imports, exports) | ("host", stream, step)
+        for i, ops in enumerate(segments):
+            local = {e: k for k, e in enumerate(e for e, h in home.items() if h == i)}
+            exports = [e for e in local if needed[e] or e in self.outputs]
+            imports, body = [], []
+            for op in ops:
+                kind, stream, *args = op
+                if kind == "wait_event" and home[args[0]] != i:
+                    imports.append((stream, args[0]))
+                elif kind in ("record", "wait_event"):
+                    body.append((kind, stream, local[args[0]]))
+                else:
+                    body.append(op)
+            if body or exports:
+                program = _stream_program(lib, body, len(local), [local[e] for e in exports], ring, sum_kernel)
+                self.parts.append(("segment", program, imports, exports))
+            else:
+                self.parts += [("wait", stream, event) for stream, event in imports]
+            if 2 * i + 1 < len(pieces):
+                _, stream, step = pieces[2 * i + 1]
+                self.parts.append(("host", stream, step))
+
+    def __len__(self) -> int:
+        return sum(len(part[1]) if part[0] == "segment" else 1 for part in self.parts)
+
+    def replay(self, caller_stream, base: int) -> list:
+        lib, handles = self.lib, {}
+
+        def on(stream):
+            return caller_stream if stream is CALLER else stream
+
+        for kind, *args in self.parts:
+            if kind == "host":
+                self.device.host_step(on(args[0]), args[1])
+            elif kind == "wait":
+                lib.stream_wait_event(on(args[0]).cuda_stream, handles[args[1]])
+            else:
+                program, imports, exports = args
+                for stream, event in imports:
+                    lib.stream_wait_event(on(stream).cuda_stream, handles[event])
+                handles.update(zip(exports, program.replay(caller_stream.cuda_stream, base)))
+        return [self.wrap(lib, handles[e], self) for e in self.outputs]

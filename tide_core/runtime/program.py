@@ -8,6 +8,13 @@ each on the host; a call has 10-40 of them. Instead the transport issues them on
 ``replay(caller_stream, base)``. Flag values are recorded relative to ``base`` (the call's epoch or
 first chunk number), so one recording serves every call; everything else in it is fixed.
 
+A recording may also hold host steps (``host_step(stream, step)``): work that only the host can issue,
+such as the ``nccl`` rail's grouped send/recv through torch.distributed. A backend runs
+``step.issue()`` with ``stream`` current, so the step is ordered after the stream's earlier work
+and the stream's later work after the step (what ProcessGroupNCCL does with its internal stream).
+On GPUs a recording with host steps is cut at them into compiled segments
+(``tide_core.runtime.device.SegmentedProgram``).
+
 The recording code labels protocol operations with a site (``with recorder.at(site): ...``), so a
 test can derive a variant of a recording (an operation dropped, a value changed) and replay it
 through the same path (``RecordedProgram.variant``).
@@ -75,6 +82,13 @@ class ProgramRecorder:
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas) -> None:
         self._add(("sum", stream, out, list(staged), list(segments), first, count, alpha, accumulate, dtype, ctas))
+
+    def host_step(self, stream, step) -> None:
+        self._add(("host_step", stream, step))
+
+    @property
+    def has_host_steps(self) -> bool:
+        return any(op[0] == "host_step" for op in self.ops)
 
     def labelled(self) -> list[tuple]:
         """(site, op) per recorded operation, in order."""

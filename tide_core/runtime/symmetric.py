@@ -51,3 +51,20 @@ def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
         return base, peers
 
     return allocate
+
+
+def node_symmetric_allocator(groups, device: torch.device):
+    """Segments symmetric over this rank's node only (groups that span hosts: CUDA IPC stops at the
+    host). Peer pointers are indexed by the group's rank like ``symmetric_allocator``'s; ranks on
+    other nodes get None (the rail reaches them, never a pointer)."""
+    topology, node = groups.topology, groups.node
+    allocate_on_node = symmetric_allocator(groups.node_group, device)
+
+    def allocate(name: str, nbytes: int):
+        base, node_peers = allocate_on_node(name, nbytes)
+        peers: list = [None] * topology.world_size
+        for local, ptr in enumerate(node_peers):
+            peers[topology.rank(node, local)] = ptr
+        return base, peers
+
+    return allocate

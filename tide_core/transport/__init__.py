@@ -23,8 +23,12 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_
     if topology.nodes > 1:
         from tide_core.transport.rail import nccl_rma_unavailable_reason
 
-        if rail == "nccl_rma" or (rail == "auto" and not single_host):
+        if rail == "nccl_rma":
             return f"{topology.nodes} nodes: the rail transport 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}"
+        if rail == "p2p" and not single_host:
+            return f"{topology.nodes} nodes on several hosts: rail='p2p' needs one host (use rail='nccl' or 'auto')"
+        if (rail == "nccl" or (rail == "auto" and not single_host)) and not torch.distributed.is_nccl_available():
+            return f"{topology.nodes} nodes: the 'nccl' rail needs torch.distributed with NCCL"
     return None
 
 
@@ -34,9 +38,10 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
     CUDA transport's ``CudaOptions`` (the reference transport takes their wave and round widths);
     ``validate_calls``: the reference transport compares every call's shapes across ranks.
     ``single_host``: every rank of ``group`` runs on this machine. ``auto`` on CUDA groups is the CUDA
-    transport or, where it cannot serve (no ``tide_core._C``, hosts without the nccl_rma rail), a
-    TIDEError naming why, so the caller keeps stock collectives for the group: the reference
-    transport is the correctness oracle, not a faster path. CPU groups get the reference transport."""
+    transport (groups that span hosts: over the ``nccl`` rail) or, where it cannot serve (no
+    ``tide_core._C``, no NCCL for a group that spans hosts), a TIDEError naming why, so the caller
+    keeps stock collectives for the group: the reference transport is the correctness oracle, not a
+    faster path. CPU groups get the reference transport."""
     from tide_core.transport.cuda.options import CudaOptions
 
     options = options or CudaOptions()

@@ -19,12 +19,15 @@ Implementations:
 * ``p2p``: copy-engine P2P pushes and stream memory operations between GPUs of one host, with
   the symmetric arena's peer pointers. It runs M "nodes" x L GPUs on one machine (M = 2, L = 1 on
   two GPUs) and is what the CPU tests drive through the emulated device.
+* ``nccl``: grouped send/recv through torch.distributed (``tide_core.transport.dist_rail``), the
+  rail for groups that span hosts. It is two-sided, so it does not use ``put``/``signal``/``wait``:
+  the CUDA transport records ``exchange`` host steps instead (``cuda.allgather``, ``cuda.level2``).
 * ``nccl_rma``: NCCL host RMA (``ncclPutSignal`` / ``ncclWaitSignal`` over windows registered with
   ``NCCL_WIN_COLL_SYMMETRIC`` on rail communicators split with ``ncclCommSplit(color = local
   rank)``). NCCL's signals are counters (+1 per put or signal, ``sigIdx`` 0 only, applied in order
   per peer), so an epoch-valued slot becomes a count: a call sends a fixed number K of signals to
-  each rail peer, so "slot s of call e" is count (e - 1) * K + k_s. It is not built yet: the GPU
-  machines here carry NCCL 2.28.9, which has no host RMA, and cannot install a newer one.
+  each rail peer, so "slot s of call e" is count (e - 1) * K + k_s. It is not built yet (host RMA
+  needs NCCL >= 2.29 and a NIC that supports it; the GPU machines used so far carry NCCL 2.28.9).
   ``nccl_rma_unavailable_reason()`` says why it cannot be used; the transport then falls back.
 """
 
@@ -38,16 +41,18 @@ from tide_core.errors import TransportError
 from tide_core.plan import Topology
 from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
-RAILS = ("auto", "p2p", "nccl_rma")
-NCCL_RMA_MIN_VERSION = (2, 31, 0)
+RAILS = ("auto", "p2p", "nccl", "nccl_rma")  # TIDEConfig.rail / CudaOptions.rail
+NCCL_RMA_MIN_VERSION = (2, 29, 0)  # ncclPutSignal / ncclWaitSignal (host RMA) arrived in NCCL 2.29
 NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
                     "ncclCommQueryProperties")
 
 
 class Rail(Protocol):
-    """What the collectives use of a rail (see the module docstring)."""
+    """What the collectives use of a one-sided rail (see the module docstring); a two-sided rail
+    (``two_sided``: the ``nccl`` rail, ``tide_core.transport.dist_rail``) offers ``exchange`` instead."""
 
     name: str
+    two_sided: bool
 
     def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None: ...
 
@@ -60,6 +65,7 @@ class P2PRail:
     """Rail over copy-engine P2P between the GPUs of one host (the symmetric arena's peer pointers)."""
 
     name = "p2p"
+    two_sided = False  # one-sided puts and signals (the nccl rail exchanges instead)
 
     def __init__(self, topology: Topology, rank: int, flags, slots: int):
         """``flags``: a symmetric segment of at least ``flag_bytes(topology, slots)`` bytes, zeroed on
@@ -130,16 +136,25 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
                 return f"NCCL {shown} at {path} lacks {', '.join(missing)}"
         except OSError as exc:
             return f"NCCL {shown}: cannot open {path} ({exc})"
-    return (f"NCCL {shown} has host RMA, but TIDE's nccl_rma rail is not built yet "
-            "(see docs/multinode.md); use the reference transport across hosts")
+    return (f"NCCL {shown} has the host RMA API (which also needs a NIC with hostRmaSupport), but TIDE's "
+            "nccl_rma rail is not built yet "
+            "(see docs/multinode.md); rail='nccl' serves groups across hosts")
 
 
-def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool) -> Rail:
-    """The rail ``kind`` ("auto" | "p2p" | "nccl_rma"); TransportError says why one cannot serve."""
+def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool, groups=None):
+    """The rail ``kind`` (one of RAILS); TransportError says why one cannot serve. ``auto``:
+    ``p2p`` when every rank is on one host (emulated nodes), else ``nccl``. ``groups``: the
+    transport's TopologyGroups (the ``nccl`` rail runs on its rail process group)."""
     if kind not in RAILS:
         raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
     if kind in ("auto", "p2p") and single_host:
         return P2PRail(topology, rank, flags, slots)
     if kind == "p2p":
         raise TransportError("rail='p2p' needs every rank of the group on one host (copy-engine P2P)")
+    if kind in ("auto", "nccl"):
+        from tide_core.transport.dist_rail import DistRail
+
+        if groups is None:
+            raise TransportError("rail='nccl' needs the group's topology process groups")
+        return DistRail(topology, groups, flags, flags.nbytes // FLAG_LINE)
     raise TransportError(f"rail 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}")

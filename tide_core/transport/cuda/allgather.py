@@ -12,8 +12,11 @@ from the receive stage into every local GPU's landing.
 
 from __future__ import annotations
 
+import torch
+
 from tide_core.plan import GroupLayout, allgather_plan, balance_lanes
 from tide_core.plan.buffers import ag_rail_slot
+from tide_core.runtime.arena import raw_tensor
 from tide_core.transport.cuda.memory import (
     AG_DONE,
     AG_READY,
@@ -75,7 +78,8 @@ class AllGatherRecorder:
         dev.wait_event(st.done, placed)
         dev.wait_flags(st.done, mem.local_flags(AG_DONE), e)
         if self.rail is not None:  # other nodes' shards: Bruck rounds, scattered into every local landing
-            scattered = self._record_rail_rounds(dev, e, start, layout, shards, landings)
+            rounds = self._record_rail_exchanges if self.rail.two_sided else self._record_rail_rounds
+            scattered = rounds(dev, e, start, layout, shards, landings)
             with dev.at(Site.AG_COMPLETION):
                 dev.write_flags(st.scatter, mem.peer_flags(AG_SCATTERED), e)
             dev.wait_event(st.done, scattered)
@@ -210,5 +214,46 @@ class AllGatherRecorder:
                     rail.signal(dev, s_recv, recv.src_node, slot(RAIL_CREDIT, d), e)
         # The call completes when this rank's sends are done too: the caller may then refill the
         # shards they read (and the stage they forwarded from).
+        dev.wait_event(s_recv, dev.record(s_send))
+        return dev.record(s_recv)
+
+    def _record_rail_exchanges(self, dev, e: int, start: int, layout: GroupLayout, shards, landings) -> int:
+        """Bruck rounds of call ``e`` over a two-sided rail (``nccl``; docs/multinode.md). Round d is one
+        exchange on the send stream: the head (own shards, one message per parameter) and the tail
+        (stage slots of earlier rounds, earlier exchanges) to the target, the round's stage area from
+        the source. Its completion is the data signal, and NCCL's in-order matching paces the rounds.
+        The receive is posted once this rank's scatter of that area in call e - 1 wrote its credit
+        word (the area's other readers, tails of later rounds, are earlier exchanges). The receive
+        stream scatters each round once its exchange completed."""
+        plan = self.plan(layout)
+        rail, mem = self.rail, self.memory
+        S = layout.total_shard_bytes
+        stage = mem.ensure_ag_stage((self.topology.nodes - 1) * S)
+        device = stage.base.device
+        s_send, s_recv = self.streams.rail, self.streams.scatter
+        params = range(layout.num_params)
+        dev.wait_event(s_send, start)
+        dev.wait_event(s_recv, start)
+        with dev.at(Site.AG_READY):
+            dev.wait_flags(s_recv, mem.local_flags(AG_READY), e)  # scatters write every local landing
+        for d in range(len(plan.rounds)):
+            send, recv = plan.sends[d], plan.recvs[d]
+            with dev.at(Site.RAIL_CREDIT_WAIT):
+                dev.wait_flags(s_send, [rail.credit_word(d)], e - 1)
+            head = (recv.dst_slot - 1) * S
+            recvs = [(recv.src_node, stage.tensor(head + layout.shard_offset(p), layout.shard_bytes(p), torch.uint8))
+                     for p in params]
+            if recv.num_slots > 1:
+                recvs.append((recv.src_node, stage.tensor(recv.dst_slot * S, (recv.num_slots - 1) * S, torch.uint8)))
+            sends = [(send.dst_node, raw_tensor(shards[p].data_ptr(), layout.shard_bytes(p), torch.uint8, device))
+                     for p in params]
+            if send.num_slots > 1:
+                sends.append((send.dst_node, stage.tensor(0, (send.num_slots - 1) * S, torch.uint8)))
+            with dev.at(Site.RAIL_DATA):  # the exchange is the data signal: a skipped one skips the round
+                rail.exchange(dev, s_send, sends, recvs)
+            dev.wait_event(s_recv, dev.record(s_send))
+            self._record_scatter(dev, s_recv, plan.stage_copies[d], stage, landings)
+            with dev.at(Site.RAIL_CREDIT):
+                dev.write_flags(s_recv, [rail.credit_word(d)], e)
         dev.wait_event(s_recv, dev.record(s_send))
         return dev.record(s_recv)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from tide_core.plan import GroupLayout, LatinSquarePlan, Level1Step, chunk_pieces
+from tide_core.plan import GroupLayout, LatinSquarePlan, Level1Step, chunk_pieces, num_rounds
+from tide_core.runtime.arena import raw_tensor
 from tide_core.transport.cuda.level1 import Level1Recorder
 from tide_core.transport.cuda.memory import RS_INBOX, RS_RAIL_CREDIT, RS_RAIL_DATA, RS_READ, SymmetricMap
 from tide_core.transport.cuda.options import CudaOptions
@@ -52,11 +53,11 @@ class Level2Recorder:
         Per wave w of contributors, in order (the two-phase pipeline, one wave of lag):
         1. Level 1 of the wave's steps writes fp32 node partials: c < M into outbox block
            (c - 1) mod n_out (after the put of step c - n_out read it), c = M (the own node) into
-           the spare. After each chunk's sum the rail stream puts that chunk into contributor c's
-           inbox block at rank (m, u) (the destination's rail peer), having first waited for that
-           rank's credit for the block: the read of its previous use, in this call (value
-           ``base_seq + use - 1``) or the previous one (``base_seq``, the previous ``end``).
-           A data signal follows the step's last chunk.
+           the spare. After each chunk's sum the rail stream sends that chunk into contributor c's
+           inbox block at rank (m, u) (the destination's rail peer), the step's first chunk after
+           the block's credit: the read of its previous use, in this call (value
+           ``base_seq + use - 1``) or the previous one (``base_seq``, the previous ``end``). How
+           the rail sends, signals and credits: ``Level2Puts`` (one-sided) or ``Level2Exchanges``.
         2. Relays (L > 1): a rank holding contributor cc's block for node peer v = (u + cc) mod L
            tells v when it arrived.
         3. The landing kernels of the previous wave (``inbox.land_after``): the sum kernel reads
@@ -72,7 +73,7 @@ class Level2Recorder:
         W, n_waves = waves.wave_width, len(waves.waves)
         E = layout.total_shard_numel
         end = base_seq + sum(len(step.chunks) for step in steps)
-        data_slot, credit_slot = mem.rs_rail_slot(RS_RAIL_DATA), mem.rs_rail_slot(RS_RAIL_CREDIT)
+        link = (Level2Exchanges if rail.two_sided else Level2Puts)(mem, rail, dev, end)
         n_out = waves.outbox_depth
         sum_ctas = self.options.sum_ctas
 
@@ -83,9 +84,9 @@ class Level2Recorder:
             nxt = inbox.next_use[cc]
             with dev.at(Site.RAIL_CREDIT):
                 if nxt is None:
-                    rail.signal(dev, stream, sender(inbox.first_use[cc]), credit_slot, end)
+                    link.credit(stream, cc, sender(inbox.first_use[cc]), end)
                 else:
-                    rail.signal(dev, stream, sender(nxt), credit_slot, base_seq + inbox.use[cc])
+                    link.credit(stream, cc, sender(nxt), base_seq + inbox.use[cc])
 
         # The outbox is rewritten below: the previous call's puts must be done.
         dev.wait_event(st.sum, dev.record(st.rs_rail))
@@ -94,7 +95,7 @@ class Level2Recorder:
         first_seq, q = {}, base_seq  # steps come in contributor order, as their chunk numbers do
         for step in steps:
             first_seq[step.contributor], q = q, q + len(step.chunks)
-        sent = {}  # step -> event after its puts
+        sent = {}  # step -> event after its rail transfers
         single = len(inbox.landing) == 1
         total = mem.wave_total()
         for w in range(n_waves + 1):
@@ -109,28 +110,18 @@ class Level2Recorder:
                     dev.wait_event(st.sum, sent[c - n_out])
                 credit = base_seq + inbox.use[c] - 1
 
-                def put_chunk(k, chunk, c=c, m=m, credit=credit):
+                def send_chunk(k, chunk, c=c, m=m, credit=credit):
                     dev.wait_event(st.rs_rail, dev.record(st.sum))
                     if k == 0:
                         with dev.at(Site.RAIL_CREDIT_WAIT):
-                            rail.wait(dev, st.rs_rail, m, credit_slot, credit)
-                    with dev.at(Site.RAIL_PUT):
-                        rail.put(
-                            dev,
-                            st.rs_rail,
-                            m,
-                            mem.rs_blocks,
-                            [mem.inbox_offset(c) + chunk.start * 4],
-                            [mem.outbox(c) + chunk.start * 4],
-                            [chunk.length * 4],
-                        )
+                            link.wait_credit(st.rs_rail, c, m, credit)
+                    link.send(st.rs_rail, c, m, chunk)
 
-                self.level1.record(dev, step, grads, mem.outbox(c), 1.0, False, first_seq[c], put_chunk)
-                with dev.at(Site.RAIL_DATA):
-                    rail.signal(dev, st.rs_rail, m, data_slot, end)
+                self.level1.record(dev, step, grads, mem.outbox(c), 1.0, False, first_seq[c], send_chunk)
+                link.sent(st.rs_rail, m)
                 sent[c] = dev.record(st.rs_rail)
             for cc in (cc for cc in held if (cc - 1) // W == w):
-                rail.wait(dev, st.relay, sender(cc), data_slot, end)
+                link.arrived(st.relay, cc, sent)
                 with dev.at(Site.RS_INBOX):
                     dev.write_flags(st.relay, [mem.peer_flag(held[cc], RS_INBOX, u)], base_seq + cc)
             for k, group in enumerate(inbox.landing):
@@ -141,7 +132,7 @@ class Level2Recorder:
                     if cc == M:
                         continue  # the spare: written by this rank's own Level 1, earlier on this stream
                     if holder == u:
-                        rail.wait(dev, st.sum, sender(cc), data_slot, end)
+                        link.arrived(st.sum, cc, sent)
                     else:
                         with dev.at(Site.RS_INBOX):
                             dev.wait_flags(st.sum, [mem.local_flag(RS_INBOX, holder)], base_seq + cc)
@@ -191,3 +182,70 @@ class Level2Recorder:
                         sum_ctas,
                     )
         dev.wait_event(st.sum, dev.record(st.relay))
+
+
+class Level2Puts:
+    """Level 2's rail operations of one reduce-scatter call on a one-sided rail (``p2p``): puts
+    into the receiver's inbox block after its credit word for that block, a data signal after each
+    step, and credits returned to the sender of a block's next use."""
+
+    def __init__(self, memory: SymmetricMap, rail: Rail, dev, end: int):
+        self.memory, self.rail, self.dev, self.end = memory, rail, dev, end
+        self.data_slot, self.credit_slot = memory.rs_rail_slot(RS_RAIL_DATA), memory.rs_rail_slot(RS_RAIL_CREDIT)
+
+    def wait_credit(self, stream, c: int, m: int, value: int) -> None:
+        self.rail.wait(self.dev, stream, m, self.credit_slot, value)
+
+    def send(self, stream, c: int, m: int, chunk) -> None:
+        mem = self.memory
+        with self.dev.at(Site.RAIL_PUT):
+            self.rail.put(self.dev, stream, m, mem.rs_blocks, [mem.inbox_offset(c) + chunk.start * 4],
+                          [mem.outbox(c) + chunk.start * 4], [chunk.length * 4])
+
+    def sent(self, stream, m: int) -> None:
+        with self.dev.at(Site.RAIL_DATA):
+            self.rail.signal(self.dev, stream, m, self.data_slot, self.end)
+
+    def arrived(self, stream, cc: int, sent: dict) -> None:
+        """``stream`` waits for contributor cc's partial (``sent``: this rank's step events)."""
+        mem = self.memory
+        self.rail.wait(self.dev, stream, (mem.node - cc) % mem.topology.nodes, self.data_slot, self.end)
+
+    def credit(self, stream, cc: int, sender_node: int, value: int) -> None:
+        self.rail.signal(self.dev, stream, sender_node, self.credit_slot, value)
+
+
+class Level2Exchanges:
+    """Level 2's rail operations of one reduce-scatter call on a two-sided rail (``nccl``;
+    docs/multinode.md): step c is one exchange per Level-1 chunk (send chunk k of the partial for
+    node n + c, receive chunk k of contributor c's partial from node n - c into its inbox block), a
+    shift permutation every rank issues in the same order; contributor c's partial has arrived when
+    step c's exchanges completed. Credits are local words (``rail.credit_word``), one per inbox
+    block after the all-gather's stage areas: the receive that reuses a block is posted once its
+    previous use was read (by this rank's landing kernel, or reported by the node peer that read it)."""
+
+    def __init__(self, memory: SymmetricMap, rail, dev, end: int):
+        self.memory, self.rail, self.dev = memory, rail, dev
+        self.first_word = num_rounds(memory.topology.nodes)
+
+    def _word(self, c: int) -> int:
+        return self.rail.credit_word(self.first_word + self.memory.inbox.index[c])
+
+    def wait_credit(self, stream, c: int, m: int, value: int) -> None:
+        self.dev.wait_flags(stream, [self._word(c)], value)
+
+    def send(self, stream, c: int, m: int, chunk) -> None:
+        mem, nbytes = self.memory, chunk.length * 4
+        source = raw_tensor(mem.outbox(c) + chunk.start * 4, nbytes, torch.uint8, mem.rs_blocks.base.device)
+        target = mem.rs_blocks.tensor(mem.inbox_offset(c) + chunk.start * 4, nbytes, torch.uint8)
+        with self.dev.at(Site.RAIL_DATA):  # the exchange is the data signal: a skipped one skips the round
+            self.rail.exchange(self.dev, stream, [(m, source)], [((mem.node - c) % mem.topology.nodes, target)])
+
+    def sent(self, stream, m: int) -> None:
+        """Nothing to signal: the exchanges' completion is the arrival."""
+
+    def arrived(self, stream, cc: int, sent: dict) -> None:
+        self.dev.wait_event(stream, sent[cc])  # step cc received contributor cc's partial
+
+    def credit(self, stream, cc: int, sender_node: int, value: int) -> None:
+        self.dev.write_flags(stream, [self._word(cc)], value)  # local: the block may receive again

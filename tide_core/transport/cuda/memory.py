@@ -115,7 +115,7 @@ class SymmetricMap:
             raise ValueError(
                 f"{name} is not inside the transport's arena; allocate it with landing_buffers()"
             ) from None
-        return [p + offset for p in seg.peer_ptrs]
+        return [None if p is None else p + offset for p in seg.peer_ptrs]  # None: another host
 
     # -- reduce-scatter staging ------------------------------------------------------------------
     def ensure_staging(self, needed_slot_bytes: int) -> None:

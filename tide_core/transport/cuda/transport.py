@@ -70,7 +70,7 @@ class CudaTransport(Transport):
         """``backend``, ``allocator``: the device backend and symmetric allocator (default: this
         process's CUDA device; tests pass an emulated one). ``single_host``: every rank of ``group``
         runs on this machine (multi-node topologies are then emulated over the ``p2p`` rail; across
-        hosts the rail is ``nccl_rma``). ``faults``: protocol violations injected into the recorded
+        hosts the rail is ``nccl``). ``faults``: protocol violations injected into the recorded
         calls (tests; ``tide_core.transport.faults``)."""
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
@@ -85,11 +85,12 @@ class CudaTransport(Transport):
             raise TransportError(f"gpus_per_node={L}: the sum kernel stages at most 15 peers")
         if backend is None:
             from tide_core.runtime.device import CudaDevice
-            from tide_core.runtime.symmetric import symmetric_allocator
+            from tide_core.runtime.symmetric import node_symmetric_allocator, symmetric_allocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
             backend = CudaDevice(device, sum_kernel=options.sum_kernel)
-            allocator = allocator or symmetric_allocator(self.groups.group, device)
+            allocator = allocator or (symmetric_allocator(self.groups.group, device) if single_host
+                                      else node_symmetric_allocator(self.groups, device))
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
         self.arena = Arena(allocator)
@@ -131,6 +132,7 @@ class CudaTransport(Transport):
                 self.memory.rail_flags,
                 self.memory.rail_slots,
                 single_host=single_host,
+                groups=self.groups,
             )
             self.name = f"cuda, {self.rail.name} rail"
         self.dev.synchronize()

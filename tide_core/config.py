@@ -27,9 +27,17 @@ class TIDEConfig:
     gpus_per_node: int | None = None
     #: Groups with more parameters fall back to stock collectives (paper: 256).
     max_params: int = 256
-    #: Seconds any cross-GPU wait may take before PeerStallTimeout is raised.
-    timeout_s: float = 300.0
-    #: After a stall nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
+    #: Seconds a live peer may be late in a TIDE collective before PeerStallTimeout is raised (every
+    #: transport, every wait). None: the process group's own timeout (10 min NCCL, 30 min gloo by
+    #: default), so TIDE never gives up on a slow peer (rank-0-only evaluation, a long checkpoint
+    #: save) sooner than the backend would. Dead peers are found sooner: see peer_dead_s.
+    timeout_s: float | None = None
+    #: CUDA transport: a host heartbeat every heartbeat_s through the process group's store; a peer
+    #: silent for peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s
+    #: is. (gloo reports a dead peer's closed connection by itself.) docs/reliability.md.
+    heartbeat_s: float = 2.0
+    peer_dead_s: float = 60.0
+    #: After a failure nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
     #: process (fail-stop, like NCCL's watchdog) instead of hanging.
     abort_on_stall: bool = True
     #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
@@ -98,8 +106,13 @@ class TIDEConfig:
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
         if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):
             raise ValueError(f"wave_width={self.wave_width!r} must be an integer >= 1 or None")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 or None (the process group's timeout)")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s!r} must be > 0")
+        if not self.peer_dead_s > 2 * self.heartbeat_s:
+            raise ValueError(f"peer_dead_s={self.peer_dead_s!r} must exceed two heartbeats "
+                             f"(heartbeat_s={self.heartbeat_s!r})")
         if not self.chunk_mib > 0:
             raise ValueError(f"chunk_mib={self.chunk_mib!r} must be > 0")
         return self

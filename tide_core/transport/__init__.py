@@ -53,4 +53,4 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
     from tide_core.transport.reference import ReferenceTransport
 
     return ReferenceTransport(topology, group, wave_width=config.wave_width, round_width=config.round_width,
-                              validate=config.validate_calls, device=device)
+                              validate=config.validate_calls, device=device, timeout_s=config.timeout_s)

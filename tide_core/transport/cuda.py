@@ -46,7 +46,8 @@ from tide_core.plan import (GroupLayout, Topology, allgather_plan, chunk_pieces,
                             level1_copies, level1_order, split_copies)
 from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
-from tide_core.runtime.groups import check_agreement, topology_groups
+from tide_core.runtime.groups import barrier, check_agreement, group_timeout_s, handshake, topology_groups
+from tide_core.runtime.liveness import PeerMonitor
 from tide_core.runtime.program import ProgramRecorder
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
@@ -135,7 +136,9 @@ class CudaTransport(Transport):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
         self.topology = topology
         self.config = config or TIDEConfig()
+        handshake(f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group, self.config.timeout_s)
         self.groups = topology_groups(topology, group)
+        self.timeout_s = self.config.timeout_s or group_timeout_s(self.groups.group)
         self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local
         L = topology.gpus_per_node
         if L - 1 > 15:
@@ -154,7 +157,7 @@ class CudaTransport(Transport):
         # Ranks that size or pace the protocol differently would allocate different symmetric
         # segments and wait on flags nobody writes: abort on every rank now, naming the field.
         check_agreement({f"config.{name}": getattr(self.config, name) for name in PROTOCOL_FIELDS},
-                        self.groups.group, "CudaTransport")
+                        self.groups.group, "CudaTransport", self.timeout_s)
 
         # Pieces: the unit a reduce-scatter push signals and a sum slice reads (fp32 output elements,
         # a multiple of 256); the most a chunk of 16-bit gradients has sizes the arrival flags.
@@ -183,7 +186,7 @@ class CudaTransport(Transport):
                 raise TransportError(f"wave_width={self.waves.wave_width}: the sum kernel reads at most "
                                      f"{self.dev.max_sources + 1} blocks per wave")
         self.dev.synchronize()
-        dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
+        barrier(self.groups.group, "CudaTransport", self.timeout_s)  # nobody signals into unzeroed flags
 
         # High priority, like FSDP2's collective streams: TIDE's kernels get SMs before queued
         # compute (at the compute stream's priority the one-wave GEMM slowed more: docs/design.md).
@@ -216,8 +219,13 @@ class CudaTransport(Transport):
         self.block_bytes = 0
         self._blocks_generation = 0
         self.rs_calls = 0
-        self.watchdog = Watchdog(self.dev.query, self.config.timeout_s, self._release_after_stall,
-                                 abort_after_s=self.config.timeout_s if self.config.abort_on_stall else None)
+        # The ranks this one waits on (node and rail peers) beat through the group's store: a dead one
+        # fails the wait in peer_dead_s, a live but late one gets timeout_s (docs/reliability.md).
+        peers = sorted((set(topology.node_ranks(self.node)) | set(topology.rail_ranks(self.local))) - {self.rank})
+        monitor = PeerMonitor(self.groups.group, peers, self.config.heartbeat_s, self.config.peer_dead_s)
+        self.watchdog = Watchdog(self.dev.query, self.timeout_s, self._release_after_stall,
+                                 abort_after_s=self.timeout_s if self.config.abort_on_stall else None,
+                                 monitor=monitor, group=self.groups.group.group_name)
 
     # -- flags -------------------------------------------------------------------------------
     # Node-local flags: word (kind, sender's local rank) in each GPU's flags segment.
@@ -287,7 +295,7 @@ class CudaTransport(Transport):
             return
         description = call_description(kind, self.topology, layout, dtype)
         description["argument check"] = problem or "ok"
-        check_agreement(description, self.groups.group, kind)
+        check_agreement(description, self.groups.group, kind, self.timeout_s)
         self._agreed.add(key)
 
     def _prologue(self, kind, layout, check, dtype) -> None:

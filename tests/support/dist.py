@@ -96,7 +96,8 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
             except queue_module.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
-                if exits and all(procs[r].exitcode == exits.get(r) for r in range(world_size) if r not in outcome):
+                if exits and all(r in exits and procs[r].exitcode == exits[r] for r in range(world_size)
+                                 if r not in outcome):
                     break  # only the ranks expected to exit are missing, and they did
                 continue
             outcome[rank] = (ok, value)

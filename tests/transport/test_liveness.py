@@ -122,3 +122,81 @@ def test_dead_peer_raises_peer_failure_naming_collective_group_and_peer(world_si
         assert o["cause"] == "RuntimeError", o  # gloo's own error is kept as the cause
         assert f"peer rank {victim} failed or its connection broke: " in o["message"], o
         assert o["after_s"] < 5.0, o  # the closed connection, not the 30 s timeout
+
+
+# -- CUDA transport (emulated device): slow is not dead ----------------------------------------------------
+
+
+def _emulated(world_size, tag, **config):
+    dev = EmulatedDevice()
+    alloc = shared_memory_allocator(dist.group.WORLD, tag)
+    config = TIDEConfig(heartbeat_s=0.2, peer_dead_s=1.0, abort_on_stall=False, **config)
+    t = CudaTransport(Topology(1, world_size), None, config=config, device=torch.device("cpu"), backend=dev,
+                      allocator=alloc)
+    return t, dev, alloc
+
+
+def _emulated_all_gather(t, rank, world_size, lay, outs, seed):
+    shards = all_shards(seed, lay, torch.bfloat16)
+    for o in outs:
+        o.fill_(float("nan"))
+    t.all_gather(lay, shards[rank], outs).wait()
+    t.synchronize()
+    return all(torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
+
+
+def _late_dead_or_silent(rank, world_size, tag, behaviour, timeout_s):
+    """Rank 1 is late by 3 s ("slow": 3x peer_dead_s, then it takes part), exits ("dead") or stays
+    alive without taking part ("silent") in the second all-gather; rank 0 reports what it saw."""
+    t, dev, alloc = _emulated(world_size, tag, timeout_s=timeout_s)
+    lay = layout_for(SHAPES, world_size, 2)
+    outs = t.landing_buffers(lay, slot=0, dtype=torch.bfloat16)
+    try:
+        assert _emulated_all_gather(t, rank, world_size, lay, outs, seed=0)
+        dist.barrier()
+        started = time.monotonic()
+        if rank == 1:
+            if behaviour == "dead":
+                os._exit(17)
+            if behaviour == "silent":
+                _linger(started + TIMEOUT_S + 2)
+                return {"error": None, "silent": True}
+            time.sleep(3.0)
+        try:
+            exact = _emulated_all_gather(t, rank, world_size, lay, outs, seed=1)
+            return {"error": None, "exact": exact, "after_s": time.monotonic() - started, "timeout_s": t.timeout_s}
+        except (PeerStallTimeout, PeerFailure) as exc:
+            return _outcome(exc, started)
+    finally:
+        t.close()
+        shut_down(dev, alloc)
+
+
+def test_a_slow_peer_is_waited_for():
+    """3 s late: three times peer_dead_s (its heartbeat says it is alive) and past what the old fixed
+    timeout would allow at this scale; timeout_s defaults to the process group's (60 s here)."""
+    outcomes = run_distributed(_late_dead_or_silent, 2, args=(uuid.uuid4().hex[:8], "slow", None), timeout=60)
+    print("\n", outcomes)
+    for o in outcomes:
+        assert o["error"] is None and o["exact"] is True and o["timeout_s"] == 60.0, o
+    assert outcomes[0]["after_s"] >= 3.0
+
+
+def test_a_dead_peer_is_reported_within_peer_dead_s_not_timeout_s():
+    outcomes = run_distributed(_late_dead_or_silent, 2, args=(uuid.uuid4().hex[:8], "dead", 60.0), timeout=60,
+                               exits={1: 17})
+    print("\n", outcomes)
+    o = outcomes[0]
+    assert outcomes[1] == ("exited", 17)
+    assert o["error"] == "PeerFailure" and o["peer"] == 1, o
+    assert "sent no heartbeat for 1 s" in o["message"] and "all_gather call 2" in o["message"], o
+    assert 1.0 <= o["after_s"] <= 3.0, o  # peer_dead_s after the wait became overdue; timeout_s is 60 s
+
+
+def test_a_silent_live_peer_gets_peer_stall_timeout_at_timeout_s():
+    outcomes = run_distributed(_late_dead_or_silent, 2, args=(uuid.uuid4().hex[:8], "silent", TIMEOUT_S), timeout=60)
+    print("\n", outcomes)
+    o = outcomes[0]
+    assert outcomes[1] == {"error": None, "silent": True}
+    assert o["error"] == "PeerStallTimeout" and "did not complete within 3 s" in o["message"], o
+    assert TIMEOUT_S - 0.05 <= o["after_s"] <= TIMEOUT_S + 1.0, o

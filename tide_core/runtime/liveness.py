@@ -33,7 +33,7 @@ class PeerMonitor:
         self.interval_s = interval_s
         self.dead_after_s = dead_after_s
         self.watching = False
-        self.store_error: Exception | None = None  # the store is gone (its host died): no verdict possible
+        self.store_error: Exception | None = None  # the store is gone (its host died): no verdicts
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -62,8 +62,9 @@ class PeerMonitor:
             else:
                 with self._lock:
                     self._seen.clear()  # silence is only measured while a wait is overdue
-        except Exception as exc:  # a dead store host; reported, the thread keeps trying
+        except Exception as exc:  # the store's host is gone: no more verdicts; the deadline still holds
             self.store_error = exc
+            self._stop.set()
 
     def dead_peers(self) -> list[int]:
         """Global ranks of peers silent for ``dead_after_s`` while watched."""

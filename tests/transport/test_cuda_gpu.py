@@ -12,6 +12,7 @@ from tests.transport.cases import all_grads, all_shards, expected_unsharded, fp6
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
 from tide_core.plan import Topology
+from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 
 pytestmark = pytest.mark.cuda(gpus=2)
 
@@ -140,7 +141,7 @@ def _faults(rank, world_size, fault, faulty_rank):
     dev = torch.device("cuda", rank)
     topo = Topology(1, world_size)
     t = CudaTransport(topo, config=TIDEConfig(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
-                      faults=fault if rank == faulty_rank else None)
+                      faults=[fault] if rank == faulty_rank else [])
     ref = ReferenceTransport(topo)
     shapes = [(world_size * 8192, 33), (37,), (2 * world_size + 1, 5)]
     lay = layout_for(shapes, world_size, 2)
@@ -155,11 +156,11 @@ def _faults(rank, world_size, fault, faulty_rank):
     outcome = {"timeout": None, "corrupt": False}
     try:
         for i in range(4):
-            if "skip_completion" in fault or "reorder_call" in fault:
+            if isinstance(fault, (SkipCompletion, ReorderCalls)):
                 for o in landings[i]:
                     o.fill_(float("nan"))
                 work = t.all_gather(lay, shards[i], landings[i])
-                if "reorder_call" in fault and rank == faulty_rank:
+                if isinstance(fault, ReorderCalls) and rank == faulty_rank:
                     continue
                 work.wait()
                 t.synchronize()
@@ -177,10 +178,10 @@ def _faults(rank, world_size, fault, faulty_rank):
 
 
 GPU_FAULTS = {
-    "skip a completion signal": ({"skip_completion": {2}}, 1, "timeout"),
-    "drop a credit": ({"drop_credit_from": 1}, 0, "timeout"),
-    "reuse a chunk early": ({"early_reuse": True}, 1, "corrupt_or_timeout"),
-    "reorder calls": ({"reorder_call": 1}, 1, "corrupt_or_timeout"),
+    "skip a completion signal": (SkipCompletion(calls=frozenset({2})), 1, "timeout"),
+    "drop a credit": (DropStagingCredits(from_chunk=1), 0, "timeout"),
+    "reuse a chunk early": (ReuseStagingEarly(), 1, "corrupt_or_timeout"),
+    "reorder calls": (ReorderCalls(call=2), 1, "corrupt_or_timeout"),
 }
 
 

@@ -24,10 +24,11 @@ from tide_core.config import TIDEConfig
 from tide_core.plan import Topology, latin_square_plan
 from tide_core.plan.memory import staging_area_blocks
 from tide_core.transport.cuda import CudaTransport
+from tide_core.transport.faults import DropRailCredits, ReorderCalls, ReuseRailEarly, SkipRailSignal
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(topo: Topology, tag: str, *, faults=None, timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
+def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
                hardware_queues=None, **config):
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
@@ -179,7 +180,7 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
     ``delay_s`` so that early reuse overtakes them. Returns whether a result was corrupt or which
     timeout was raised."""
     topo = Topology(world_size, 1)
-    faults = fault if rank == faulty_rank else None
+    faults = [fault] if rank == faulty_rank else []
     delay = delay_s if rank != faulty_rank else 0.0
     t, dev, alloc = _transport(topo, tag, faults=faults, timeout_s=2.0, copy_delay_s=delay if collective == "ag" else 0.0,
                                sum_delay_s=delay if collective == "rs" else 0.0)
@@ -220,13 +221,13 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
 
 
 RAIL_FAULTS = {  # name: (collective, fault, expected outcome, delay of the other ranks)
-    "all-gather: skip a rail data signal": ("ag", {"rail_skip_signal": {2}}, "timeout", 0.0),
-    "all-gather: drop stage credits": ("ag", {"rail_drop_credit_from": 2}, "timeout", 0.0),
-    "all-gather: reuse the stage early": ("ag", {"rail_early_reuse": True}, "corrupt", 0.05),
-    "all-gather: reorder calls": ("ag", {"reorder_call": 1}, "corrupt or timeout", 0.0),
-    "reduce-scatter: skip a rail data signal": ("rs", {"rail_skip_signal": {2}}, "timeout", 0.0),
-    "reduce-scatter: drop inbox credits": ("rs", {"rail_drop_credit_from": 2}, "timeout", 0.0),
-    "reduce-scatter: reuse the inbox early": ("rs", {"rail_early_reuse": True}, "corrupt", 0.05),
+    "all-gather: skip a rail data signal": ("ag", SkipRailSignal(calls=frozenset({2})), "timeout", 0.0),
+    "all-gather: drop stage credits": ("ag", DropRailCredits(from_call=2), "timeout", 0.0),
+    "all-gather: reuse the stage early": ("ag", ReuseRailEarly(), "corrupt", 0.05),
+    "all-gather: reorder calls": ("ag", ReorderCalls(call=2), "corrupt or timeout", 0.0),
+    "reduce-scatter: skip a rail data signal": ("rs", SkipRailSignal(calls=frozenset({2})), "timeout", 0.0),
+    "reduce-scatter: drop inbox credits": ("rs", DropRailCredits(from_call=2), "timeout", 0.0),
+    "reduce-scatter: reuse the inbox early": ("rs", ReuseRailEarly(), "corrupt", 0.05),
 }
 
 

@@ -20,10 +20,11 @@ from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaTransport
+from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(world_size, tag, *, faults=None, sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None,
+def _transport(world_size, tag, *, faults=(), sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None,
                slice_bytes=0, push_delay_s=0.0):
     """4 KiB chunks; ``slice_bytes`` (0: none) cuts each reduce-scatter chunk into pieces
     (1 KiB = 256 fp32 output elements per piece)."""
@@ -116,9 +117,11 @@ def test_sliced_reduce_scatter_sums_each_piece_after_it_arrived():
     assert kinds[0] == 6 + 8  # one arrival flag per piece of a 4 KiB chunk of 16-bit gradients
 
 
-def _fault(rank, world_size, tag, fault, faulty_rank):
-    faults = fault if rank == faulty_rank else None
-    delay = 0.05 if (fault.get("early_reuse") and rank != faulty_rank) else 0.0
+def _fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
+    """Four calls of ``collective``, ``fault`` injected on ``faulty_rank``; the other ranks' sums are
+    slowed by ``delay_s`` so that early reuse overtakes them."""
+    faults = [fault] if rank == faulty_rank else []
+    delay = delay_s if rank != faulty_rank else 0.0
     t, dev, alloc = _transport(world_size, tag, faults=faults, sum_delay_s=delay, timeout_s=2.0)
     ref = ReferenceTransport(Topology(1, world_size))
     shapes = [(4096, 3), (37,), (2 * world_size + 1, 5)]
@@ -132,7 +135,7 @@ def _fault(rank, world_size, tag, fault, faulty_rank):
         ref.reduce_scatter(ag_layout, rs_grads[call][rank], expected[-1])
     try:
         for call in range(4):
-            if "skip_completion" in fault:
+            if collective == "ag":
                 shards = all_shards(call, ag_layout, torch.bfloat16)
                 for o in landings[call]:
                     o.fill_(float("nan"))
@@ -153,7 +156,7 @@ def _fault(rank, world_size, tag, fault, faulty_rank):
 
 
 def _ag_reorder(rank, world_size, tag):
-    faults = {"reorder_call": 2} if rank == 1 else None
+    faults = [ReorderCalls(call=3)] if rank == 1 else []  # the third and fourth all-gather
     t, dev, alloc = _transport(world_size, tag, faults=faults, timeout_s=5.0)
     layouts = [layout_for([(9, 4), (5,)], world_size, 2), layout_for([(7, 3)], world_size, 2)]
     landings = [t.landing_buffers(lay, slot=i, dtype=torch.bfloat16) for i, lay in enumerate(layouts)]
@@ -200,7 +203,7 @@ def _first_batches(rank, world_size, tag):
         assert all(torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
         assert torch.equal(out, expect)
         # program keys: ("ag", ...) for all-gathers, (("rs", ...), ...) for reduce-scatters
-        batches = {(key[0] if isinstance(key[0], str) else key[0][0]): [len(op[2]) for op in program.ops
+        batches = {(key[0] if isinstance(key[0], str) else key[0][0]): [len(op[2]) for op in program.recording.ops
                                                                          if op[0] == "copy_batch"]
                    for key, program in t._programs.items()}
         return batches, t.rs_seq
@@ -246,18 +249,17 @@ def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
         assert results[0][0] == {"ag": 6, "rs": 18}
 
 
-FAULTS = {
-    "skip a completion signal": ({"skip_completion": {2}}, "timeout"),
-    "drop a credit": ({"drop_credit_from": 1}, "timeout"),
-    "reuse a chunk early": ({"early_reuse": True}, "corrupt"),
+FAULTS = {  # name: (collective, fault, faulty rank, expected outcome, delay of the other rank's sums)
+    "skip a completion signal": ("ag", SkipCompletion(calls=frozenset({2})), 1, "timeout", 0.0),
+    "drop a credit": ("rs", DropStagingCredits(from_chunk=1), 0, "timeout", 0.0),
+    "reuse a chunk early": ("rs", ReuseStagingEarly(), 1, "corrupt", 0.05),
 }
 
 
 @pytest.mark.parametrize("name", list(FAULTS))
 def test_fault_injection_is_detected(name):
-    fault, expected = FAULTS[name]
-    faulty = 0 if "drop_credit_from" in fault else 1
-    outcomes = run_distributed(_fault, 2, args=(uuid.uuid4().hex[:8], fault, faulty), timeout=120)
+    collective, fault, faulty, expected, delay = FAULTS[name]
+    outcomes = run_distributed(_fault, 2, args=(uuid.uuid4().hex[:8], collective, fault, faulty, delay), timeout=120)
     print(f"\n{name}: {outcomes}")
     if expected == "timeout":
         # fail-stop on every rank: each raises PeerStallTimeout instead of hanging

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -48,9 +49,10 @@ from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import barrier, check_agreement, group_timeout_s, handshake, topology_groups
 from tide_core.runtime.liveness import PeerMonitor
-from tide_core.runtime.program import ProgramRecorder
+from tide_core.runtime.program import ProgramRecorder, RecordedProgram
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
+from tide_core.transport.faults import ALL_GATHER, REDUCE_SCATTER, Call, Fault, Faults, Site
 
 FLAG_LINE = 64  # one epoch counter per cache line
 # Flag kinds, one word per local rank. RS_INBOX: "the inbox block you sum arrived" (holder to
@@ -88,18 +90,6 @@ class CudaWork:
         return all(self.transport.dev.query(e) for e in self.events)
 
 
-class _DeferredWork:
-    """Fault injection "reorder": this call is enqueued after the next one."""
-
-    def __init__(self):
-        self.inner: CudaWork | None = None
-
-    def wait(self) -> bool:
-        if self.inner is None:
-            raise TransportError("reordered call was never issued (fault injection)")
-        return self.inner.wait()
-
-
 @dataclass(frozen=True)
 class _Level1Step:
     contributor: int  # c: this node is contributor c of node dest_node (c = M: its own node)
@@ -126,10 +116,11 @@ class CudaTransport(Transport):
     name = "cuda"
 
     def __init__(self, topology: Topology, group: dist.ProcessGroup | None = None, *, config=None,
-                 device: torch.device | None = None, backend=None, allocator=None, faults: dict | None = None,
+                 device: torch.device | None = None, backend=None, allocator=None, faults: Iterable[Fault] = (),
                  single_host: bool = True):
         """``single_host``: every rank of ``group`` runs on this machine (multi-node topologies are then
-        emulated over the ``p2p`` rail; across hosts the rail is ``nccl_rma``)."""
+        emulated over the ``p2p`` rail; across hosts the rail is ``nccl_rma``). ``faults``: protocol
+        violations injected into the recorded calls (tests; ``tide_core.transport.faults``)."""
         from tide_core.config import TIDEConfig
 
         if not isinstance(topology, Topology):
@@ -153,7 +144,7 @@ class CudaTransport(Transport):
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
         self.arena = Arena(allocator)
-        self.faults = dict(faults or {})
+        self.faults = faults if isinstance(faults, Faults) else Faults(faults or ())
         # Ranks that size or pace the protocol differently would allocate different symmetric
         # segments and wait on flags nobody writes: abort on every rank now, naming the field.
         check_agreement({f"config.{name}": getattr(self.config, name) for name in PROTOCOL_FIELDS},
@@ -205,8 +196,6 @@ class CudaTransport(Transport):
         self._ag_stage_generation = 0
         self.ag_epoch = 0
         self.rs_seq = 0
-        self.ag_calls = 0
-        self._deferred = None
         self._agreed: set = set()
         self._plans: dict = {}
         self._programs: dict = {}
@@ -331,37 +320,18 @@ class CudaTransport(Transport):
             self._mark_checked(key)
         else:
             self._check_alive()
-        call = self.ag_calls
-        self.ag_calls += 1
-        if self.faults.get("reorder_call") == call and self._deferred is None:
-            self._deferred = (_DeferredWork(), layout, list(shards), list(outputs), key)
-            return self._deferred[0]
-        work = self._all_gather(layout, shards, outputs, key)
-        if self._deferred is not None:
-            handle, *args = self._deferred
-            self._deferred = None
-            handle.inner = self._all_gather(*args)
-        return work
+        self.ag_epoch += 1
+        e = self.ag_epoch
+        (done,) = self._replay(key, Call(ALL_GATHER, e, e), lambda recorder: [self._record_all_gather(
+            recorder, e, layout, shards, *self._ag_descriptors(layout, shards, outputs))])
+        self.watchdog.track(done, f"rank {self.rank}: all_gather call {e}")
+        return CudaWork(self, [done])
 
     def _ag_plan(self, layout: GroupLayout):
         key = ("ag", layout.signature())
         if key not in self._plans:
             self._plans[key] = allgather_plan(layout, self.topology, self.rank)
         return self._plans[key]
-
-    def _all_gather(self, layout: GroupLayout, shards, outputs, key) -> CudaWork:
-        self.ag_epoch += 1
-        e = self.ag_epoch
-        program = None if self.faults else self._programs.get(key)
-        if program is None:
-            recorder = ProgramRecorder(base=e)
-            done = self._record_all_gather(recorder, e, layout, shards, *self._ag_descriptors(layout, shards, outputs))
-            program = self.dev.compile(recorder, [done])
-            if not self.faults:  # fault injection varies by call: record every call afresh
-                self._remember(key, program)
-        (done,) = program.replay(self.dev.current_stream(), e)
-        self.watchdog.track(done, f"rank {self.rank}: all_gather call {e}")
-        return CudaWork(self, [done])
 
     def _record_all_gather(self, dev, e: int, layout, shards, local, lanes, landings) -> int:
         """Call ``e``'s device work, issued on ``dev`` (a ProgramRecorder); returns the done event."""
@@ -379,14 +349,14 @@ class CudaTransport(Transport):
             stream = self.s_lanes[lane]
             dev.wait_event(stream, start)
             dev.wait_flags(stream, [self.local_flag(AG_READY, j) for j in targets], e)
-            self._push(dev, stream, dsts, srcs, sizes, split_head=lane == 0)
+            with dev.at(Site.AG_PUSH):
+                self._push(dev, stream, dsts, srcs, sizes, split_head=lane == 0)
             if lane:
                 lane_done.append(dev.record(stream))
         signal = self.s_lanes[0]
         for event in lane_done:
             dev.wait_event(signal, event)
-        skip_completion = e in self.faults.get("skip_completion", ())
-        if not skip_completion:
+        with dev.at(Site.AG_COMPLETION):
             dev.write_flags(signal, self._peer_flags(AG_DONE), e)
         pushed = dev.record(signal)
         dev.wait_event(self.s_done, pushed)
@@ -394,7 +364,7 @@ class CudaTransport(Transport):
         dev.wait_flags(self.s_done, self._local_flags(AG_DONE), e)
         if self.rail is not None:  # other nodes' shards: Bruck rounds, scattered into every local landing
             scattered = self._record_rail_rounds(dev, e, start, layout, shards, landings)
-            if not skip_completion:
+            with dev.at(Site.AG_COMPLETION):
                 dev.write_flags(self.s_scatter, self._peer_flags(AG_SCATTERED), e)
             dev.wait_event(self.s_done, scattered)
             dev.wait_flags(self.s_done, self._local_flags(AG_SCATTERED), e)
@@ -510,22 +480,25 @@ class CudaTransport(Transport):
         for d in range(R):
             send, recv = plan.sends[d], plan.recvs[d]
             target = send.dst_node
-            if not self.faults.get("rail_early_reuse"):
+            with dev.at(Site.RAIL_CREDIT_WAIT):
                 rail.wait(dev, s_send, target, slot(RAIL_CREDIT, d), e - 1)
             if d > 0:
                 rail.wait(dev, s_send, target, slot(RAIL_ACK, d - 1), e)
             base = (send.dst_slot - 1) * S
-            rail.put(dev, s_send, target, stage, [base + layout.shard_offset(p) for p in range(layout.num_params)],
-                     [t.data_ptr() for t in shards], [layout.shard_bytes(p) for p in range(layout.num_params)])
+            with dev.at(Site.RAIL_PUT):
+                rail.put(dev, s_send, target, stage, [base + layout.shard_offset(p) for p in range(layout.num_params)],
+                         [t.data_ptr() for t in shards], [layout.shard_bytes(p) for p in range(layout.num_params)])
             if send.num_slots > 1:
                 for event in received:
                     dev.wait_event(s_send, event)
-                rail.put(dev, s_send, target, stage, [send.dst_slot * S], [stage.ptr], [(send.num_slots - 1) * S])
+                with dev.at(Site.RAIL_PUT):
+                    rail.put(dev, s_send, target, stage, [send.dst_slot * S], [stage.ptr], [(send.num_slots - 1) * S])
                 for area in range(d):
-                    if last_tail[area] == d and e < self.faults.get("rail_drop_credit_from", float("inf")):
+                    if last_tail[area] == d:
                         dev.wait_event(s_send, scattered[area])
-                        rail.signal(dev, s_send, plan.recvs[area].src_node, slot(RAIL_CREDIT, area), e)
-            if e not in self.faults.get("rail_skip_signal", ()):
+                        with dev.at(Site.RAIL_CREDIT):
+                            rail.signal(dev, s_send, plan.recvs[area].src_node, slot(RAIL_CREDIT, area), e)
+            with dev.at(Site.RAIL_DATA):
                 rail.signal(dev, s_send, target, slot(RAIL_DATA, d), e)
 
             rail.wait(dev, s_recv, recv.src_node, slot(RAIL_DATA, d), e)
@@ -534,8 +507,9 @@ class CudaTransport(Transport):
                 rail.signal(dev, s_recv, plan.recvs[d + 1].src_node, slot(RAIL_ACK, d), e)
             self._record_scatter(dev, s_recv, plan.stage_copies[d], stage, landings)
             scattered.append(dev.record(s_recv))
-            if last_tail[d] is None and e < self.faults.get("rail_drop_credit_from", float("inf")):
-                rail.signal(dev, s_recv, recv.src_node, slot(RAIL_CREDIT, d), e)
+            if last_tail[d] is None:
+                with dev.at(Site.RAIL_CREDIT):
+                    rail.signal(dev, s_recv, recv.src_node, slot(RAIL_CREDIT, d), e)
         # The call completes when this rank's sends are done too: the caller may then refill the
         # shards they read (and the stage they forwarded from).
         dev.wait_event(s_recv, dev.record(s_send))
@@ -593,12 +567,26 @@ class CudaTransport(Transport):
             self._checked.clear()
         self._checked.add(key)
 
-    def _remember(self, key, program):
+    def _replay(self, key, call: Call, record) -> list:
+        """Replay the call's program (recorded by ``record(recorder)`` -> output events, once per
+        ``key``) on the current stream; injected faults replay their edit of it."""
+        program = self._programs.get(key)
+        if program is None:
+            recorder = ProgramRecorder(base=call.base)
+            program = RecordedProgram.compile(recorder, record(recorder), self.dev.compile)
+            self._remember(key, program)
+        compiled, base = program.program, call.base
+        if self.faults:
+            edited, base = self.faults.apply(program.recording.labelled(), call)
+            if edited is not None:
+                compiled = program.variant(edited, self.dev.compile)
+        return compiled.replay(self.dev.current_stream(), base)
+
+    def _remember(self, key, program: RecordedProgram) -> None:
         """Stream programs keyed by the call's buffers' addresses (FSDP2 reuses them across steps)."""
         if len(self._programs) >= MAX_PROGRAMS:
             self._programs.pop(next(iter(self._programs)))
         self._programs[key] = program
-        return program
 
     def _ensure_staging(self, needed_slot_bytes: int) -> None:
         """Staging holds n_slots chunks for each of the L-1 peers. A chunk is as large as one peer's
@@ -700,14 +688,8 @@ class CudaTransport(Transport):
         # chunks have an earlier use of their slot to wait for; flag values are relative to base_seq.
         program_key = (key, self._staging_generation, self._blocks_generation, base_seq % self.n_slots,
                        min(base_seq, self.n_slots))
-        program = None if self.faults else self._programs.get(program_key)
-        if program is None:
-            recorder = ProgramRecorder(base=base_seq)
-            outputs = self._record_reduce_scatter(recorder, layout, steps, grads, out, alpha, accumulate, base_seq)
-            program = self.dev.compile(recorder, outputs)
-            if not self.faults:  # fault injection varies by chunk number: record every call afresh
-                self._remember(program_key, program)
-        pushed, summed = program.replay(self.dev.current_stream(), base_seq)
+        pushed, summed = self._replay(program_key, Call(REDUCE_SCATTER, self.rs_calls, base_seq), lambda recorder: (
+            self._record_reduce_scatter(recorder, layout, steps, grads, out, alpha, accumulate, base_seq)))
         me = self.rank
         self.watchdog.track(pushed, f"rank {me}: reduce_scatter pushes of chunks {base_seq}..{self.rs_seq - 1}")
         self.watchdog.track(summed, f"rank {me}: reduce_scatter chunks {base_seq}..{self.rs_seq - 1}")
@@ -741,15 +723,17 @@ class CudaTransport(Transport):
             slot = q % n_slots
             # Source side: push my rows of every owner into the owner's staging slot, piece by
             # piece, each piece's arrival signalled on its own flag so its sum can start.
-            if q >= n_slots and not self.faults.get("early_reuse"):
-                dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
+            if q >= n_slots:
+                with dev.at(Site.RS_CREDIT_WAIT):
+                    dev.wait_flags(self.s_push, self._local_flags(RS_CREDIT), q - n_slots + 1)
             for i, (copies, _) in enumerate(step.pieces[k] if self.peers else ()):
                 owners = [self.topology.local_of(cp.owner) for cp in copies]
-                self._push(dev, self.s_push,
-                           [self._staging_slot(self.staging.peer_ptrs[cp.owner], j, me, slot)
-                            + cp.staging_offset * itemsize for cp, j in zip(copies, owners)],
-                           [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
-                           [cp.length * itemsize for cp in copies], split_head=k == 0 and i == 0)
+                with dev.at(Site.RS_PUSH):
+                    self._push(dev, self.s_push,
+                               [self._staging_slot(self.staging.peer_ptrs[cp.owner], j, me, slot)
+                                + cp.staging_offset * itemsize for cp, j in zip(copies, owners)],
+                               [grad_ptr[cp.param] + cp.src_offset * itemsize for cp in copies],
+                               [cp.length * itemsize for cp in copies], split_head=k == 0 and i == 0)
                 dev.write_flags(self.s_push, self._peer_flags(RS_ARRIVAL + i), q + 1)
             # Owner side: sum each piece once every peer's rows of it arrived, then return the
             # slot's credit.
@@ -758,12 +742,12 @@ class CudaTransport(Transport):
                 if self.peers:
                     dev.wait_flags(self.s_sum, self._local_flags(RS_ARRIVAL + i), q + 1)
                 for first, count, segments in launches:
-                    dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
-                            [(sg.out_offset - chunk.start, sg.length, sg.valid,
-                              grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segments],
-                            first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
-            if q < self.faults.get("drop_credit_from", float("inf")):  # credits are cumulative: a lost
-                # credit only matters when nothing newer follows it, so the fault drops them from q on
+                    with dev.at(Site.RS_SUM):
+                        dev.sum(self.s_sum, out_ptr + chunk.start * 4, staged,
+                                [(sg.out_offset - chunk.start, sg.length, sg.valid,
+                                  grad_ptr[sg.param] + sg.src_offset * itemsize) for sg in segments],
+                                first, count, float(alpha), bool(accumulate), grads[0].dtype, self.config.sum_ctas)
+            with dev.at(Site.RS_CREDIT):
                 dev.write_flags(self.s_sum, self._peer_flags(RS_CREDIT), q + 1)
             if after_chunk is not None:
                 after_chunk(k, chunk)
@@ -796,8 +780,6 @@ class CudaTransport(Transport):
         E = layout.total_shard_numel
         end = base_seq + sum(len(step.chunks) for step in steps)
         data_slot, credit_slot = self._rs_rail_slot(RS_RAIL_DATA), self._rs_rail_slot(RS_RAIL_CREDIT)
-        call = self.rs_calls
-        credits_on = call < self.faults.get("rail_drop_credit_from", float("inf"))
         n_out = waves.outbox_depth
 
         def sender(cc: int) -> int:  # node whose partial is contributor cc of this node
@@ -808,10 +790,11 @@ class CudaTransport(Transport):
 
         def return_credit(stream, cc: int) -> None:  # cc's block was read: free it for its next use
             nxt = inbox.next_use[cc]
-            if nxt is None:
-                rail.signal(dev, stream, sender(inbox.first_use[cc]), credit_slot, end)
-            else:
-                rail.signal(dev, stream, sender(nxt), credit_slot, base_seq + inbox.use[cc])
+            with dev.at(Site.RAIL_CREDIT):
+                if nxt is None:
+                    rail.signal(dev, stream, sender(inbox.first_use[cc]), credit_slot, end)
+                else:
+                    rail.signal(dev, stream, sender(nxt), credit_slot, base_seq + inbox.use[cc])
 
         # The outbox is rewritten below: the previous call's puts must be done.
         dev.wait_event(self.s_sum, dev.record(self.s_rs_rail))
@@ -836,13 +819,15 @@ class CudaTransport(Transport):
 
                 def put_chunk(k, chunk, c=c, m=m, credit=credit):
                     dev.wait_event(self.s_rs_rail, dev.record(self.s_sum))
-                    if k == 0 and not self.faults.get("rail_early_reuse"):
-                        rail.wait(dev, self.s_rs_rail, m, credit_slot, credit)
-                    rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
-                             [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
+                    if k == 0:
+                        with dev.at(Site.RAIL_CREDIT_WAIT):
+                            rail.wait(dev, self.s_rs_rail, m, credit_slot, credit)
+                    with dev.at(Site.RAIL_PUT):
+                        rail.put(dev, self.s_rs_rail, m, self.rs_blocks, [self._inbox_offset(c) + chunk.start * 4],
+                                 [self._outbox(c) + chunk.start * 4], [chunk.length * 4])
 
                 self._record_level1(dev, layout, step, grads, self._outbox(c), 1.0, False, first_seq[c], put_chunk)
-                if call not in self.faults.get("rail_skip_signal", ()):
+                with dev.at(Site.RAIL_DATA):
                     rail.signal(dev, self.s_rs_rail, m, data_slot, end)
                 sent[c] = dev.record(self.s_rs_rail)
             for cc in (cc for cc in held if (cc - 1) // W == w):
@@ -866,17 +851,17 @@ class CudaTransport(Transport):
                             bool(accumulate) if single else k > 0, torch.float32, self.config.sum_ctas)
                 for cc in group:
                     holder = waves.inbox_gpu(u, cc)
-                    if cc == M or not credits_on:
+                    if cc == M:
                         continue
                     if holder == u:
                         return_credit(self.s_sum, cc)
                     else:
-                        dev.write_flags(self.s_sum, [self.peer_flag(holder, RS_READ, u)], base_seq + cc)
+                        with dev.at(Site.RAIL_CREDIT):
+                            dev.write_flags(self.s_sum, [self.peer_flag(holder, RS_READ, u)], base_seq + cc)
                 # The blocks I hold that this landing kernel's readers read, credited once they did.
                 for cc in (cc for cc in group if cc in held):
                     dev.wait_flags(self.s_relay, [self.local_flag(RS_READ, held[cc])], base_seq + cc)
-                    if credits_on:
-                        return_credit(self.s_relay, cc)
+                    return_credit(self.s_relay, cc)
         # One landing kernel folded alpha and accumulate into out. Several (one per wave) added into
         # the running total (t = w0; t += w1; ...): out = (out) + alpha * t, as the reference does.
         if not single:

@@ -10,6 +10,11 @@ per interval.
 The GPU path needs this: a dead peer never writes the flags this rank's streams wait on, and
 nothing else would notice before ``timeout_s``, which defaults to the process group's (long)
 timeout so that slow peers are not killed.
+
+A rank whose transport fails also announces it here before it releases its stuck streams: those
+streams then run the rest of their calls, whose signals can complete a peer's wait on data that
+never came. The peers learn of the failure from the store (each heartbeat, and at every host
+synchronization) and fail too, instead of going on with such results.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import weakref
 import torch.distributed as dist
 
 KEY = "tide/heartbeat/"
+FAILED = "tide/failed/"
+FAILURES = "tide/failures"
 
 
 class PeerMonitor:
@@ -34,6 +41,7 @@ class PeerMonitor:
         self.dead_after_s = dead_after_s
         self.watching = False
         self.store_error: Exception | None = None  # the store is gone (its host died): no verdicts
+        self.failed_peer: tuple[int, str, str] | None = None  # (global rank, error type, message) once announced
         self._seen: dict[int, tuple[int, float]] = {}  # peer -> (counter, when it last changed)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -54,7 +62,31 @@ class PeerMonitor:
                 if last is None or last[0] != value:
                     self._seen[peer] = (value, now)
 
+    def announce(self, failure: Exception) -> None:
+        """Tell the peers this rank's transport failed (best effort: the store may be gone)."""
+        try:
+            self.store.set(FAILED + str(self.rank), f"{type(failure).__name__}:{failure}")
+            self.store.add(FAILURES, 1)
+        except Exception as exc:
+            self.store_error = exc
+
+    def peer_failure(self) -> tuple[int, str, str] | None:
+        """(global rank, error type name, message) of a peer that announced a failure; one store read
+        while none did."""
+        if self.failed_peer is None and self.store_error is None:
+            try:
+                if self.store.add(FAILURES, 0):
+                    for peer in self.peers:
+                        if self.store.check([FAILED + str(peer)]):
+                            kind, _, message = self.store.get(FAILED + str(peer)).decode().partition(":")
+                            self.failed_peer = (self.global_ranks[peer], kind, message)
+                            break
+            except Exception as exc:
+                self.store_error = exc
+        return self.failed_peer
+
     def _tick(self) -> None:
+        self.peer_failure()
         try:
             self._beat()
             if self.watching:

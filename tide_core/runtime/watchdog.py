@@ -55,9 +55,22 @@ class Watchdog:
             self._thread.start()
 
     def check(self) -> None:
+        if self.failure is None and self._monitor is not None and self._monitor.failed_peer is not None:
+            self._peer_failed(*self._monitor.failed_peer)
         if self.failure is not None:
             self.observed = True
             raise self.failure
+
+    def _peer_failed(self, peer: int, kind: str, message: str) -> None:
+        """A peer's transport failed: so does this one, with the same kind of error (a stall stalls
+        the group; a dead peer is dead for everyone). Results since may come from the peer's
+        released streams and are not to be trusted."""
+        text = f"peer rank {peer} of group {self._group} failed first: {message}"
+        if kind == "PeerStallTimeout":
+            failure: TIDEError = PeerStallTimeout(text)
+        else:
+            failure = PeerFailure(text, collective="", group=self._group, peer=peer)
+        self._fail("a peer's failure", failure)
 
     def wait_all(self, timeout_s: float | None = None) -> None:
         """Host-wait until every tracked event completed; raise PeerStallTimeout at the deadline."""
@@ -65,8 +78,11 @@ class Watchdog:
         while True:
             self.check()
             if self._poll_once(force_deadline=deadline):
-                return
+                break
             time.sleep(self._poll_s)
+        # A failed peer's released streams may have completed these waits: ask the store once.
+        if self._monitor is not None and self._monitor.peer_failure() is not None:
+            self.check()
 
     def _poll_once(self, force_deadline: float | None = None) -> bool:
         """Drop completed events; fail on an expired one. True when nothing is pending."""
@@ -92,6 +108,9 @@ class Watchdog:
         """While the oldest pending event is overdue by a heartbeat or two, have the monitor sample
         the peers; a dead one fails the transport now rather than at the deadline."""
         monitor = self._monitor
+        if monitor.failed_peer is not None:
+            self._peer_failed(*monitor.failed_peer)
+            return
         oldest = self._pending[0] if self._pending else None
         monitor.watching = oldest is not None and now - oldest[1] > 2 * monitor.interval_s
         if not monitor.watching:
@@ -107,6 +126,8 @@ class Watchdog:
         if self.failure is None:
             self.failure = failure
             log.error("TIDE: %s", self.failure)
+            if self._monitor is not None:  # before the release below lets the stuck streams signal peers
+                self._monitor.announce(failure)
             try:
                 self._on_stall(what)
             except Exception as exc:  # the release is best effort; the abort below still applies

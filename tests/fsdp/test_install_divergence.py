@@ -44,6 +44,8 @@ def _diverge(rank, world_size, other):
     if rank == 0 and other != "transport":
         # leave the process group: the rank blocked in its stock collective then fails too
         dist.destroy_process_group()
+    else:  # rank 0 hosts the store: keep it up until the other rank read it
+        time.sleep(max(0.0, started + 2.0 - time.monotonic()))
     return outcome
 
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from tests.support.dist import run_distributed
 from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator, shut_down
 from tests.transport.cases import all_shards, expected_unsharded, layout_for
-from tide_core import PeerFailure, PeerStallTimeout, RankMismatchError
+from tide_core import PeerFailure, PeerStallTimeout
 from tide_core.config import TIDEConfig
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaTransport

@@ -44,8 +44,8 @@ class TopologyGroups:
 _CACHE: dict = {}
 
 
-def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) -> TopologyGroups:
-    """Build (once) the node and rail sub-groups of ``group`` for ``topology``. Collective."""
+def group_for(topology: Topology, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group`` (None: the default group) after checking, locally, that it has ``topology``'s ranks."""
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized; call init_process_group first")
     group = group if group is not None else dist.group.WORLD
@@ -55,6 +55,12 @@ def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) 
             f"topology={topology.nodes}x{topology.gpus_per_node} has {topology.world_size} ranks but the "
             f"process group has {size}"
         )
+    return group
+
+
+def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) -> TopologyGroups:
+    """Build (once) the node and rail sub-groups of ``group`` for ``topology``. Collective."""
+    group = group_for(topology, group)
     key = (group.group_name, topology)  # names are never reused, unlike id() of a freed group
     if key in _CACHE:
         return _CACHE[key]
@@ -217,12 +223,25 @@ def handshake(what: str, group: dist.ProcessGroup | None = None, timeout_s: floa
     """
     group = group if group is not None else dist.group.WORLD
     timeout_s = group_timeout_s(group) if timeout_s is None else timeout_s
-    store = group.get_group_store()
     seq = _handshakes.get(group.group_name, 0) + 1
     _handshakes[group.group_name] = seq
     me, size = dist.get_rank(group), dist.get_world_size(group)
     mine = f"{HANDSHAKE_MAGIC}/{HANDSHAKE_VERSION}/{what}"
     key = f"tide/handshake/{seq}/"
+    try:
+        values = _handshake_values(group.get_group_store(), key, me, size, mine, what, group, timeout_s)
+    except RuntimeError as exc:  # the store's host (the group's master) is gone
+        raise PeerFailure(f"{what}: the key-value store of group {_group_name(group)} is unreachable: {exc}",
+                          collective=what, group=_group_name(group), peer=None) from exc
+    for r, theirs in enumerate(values):
+        if theirs != mine:
+            raise RankMismatchError(f"{what}: rank {dist.get_global_rank(group, r)} entered {theirs!r} where rank "
+                                    f"{dist.get_global_rank(group, me)} entered {mine!r} (handshake #{seq} on "
+                                    f"group {_group_name(group)})")
+
+
+def _handshake_values(store, key: str, me: int, size: int, mine: str, what: str, group, timeout_s: float) -> list:
+    """Publish ``mine`` under ``key``/me, wait for every rank's value and return them by rank."""
     store.set(key + str(me), mine)
     deadline = time.monotonic() + timeout_s
     missing = [r for r in range(size) if r != me]
@@ -235,9 +254,4 @@ def handshake(what: str, group: dist.ProcessGroup | None = None, timeout_s: floa
                 f"(they skipped it, are inside a different collective, or are late; TIDE_TIMEOUT_S sets the limit)")
         if missing:
             time.sleep(0.02)
-    for r in range(size):
-        theirs = store.get(key + str(r)).decode()
-        if theirs != mine:
-            raise RankMismatchError(f"{what}: rank {dist.get_global_rank(group, r)} entered {theirs!r} where rank "
-                                    f"{dist.get_global_rank(group, me)} entered {mine!r} (handshake #{seq} on "
-                                    f"group {_group_name(group)})")
+    return [store.get(key + str(r)).decode() for r in range(size)]

@@ -47,7 +47,8 @@ from tide_core.plan import (GroupLayout, Topology, allgather_plan, chunk_pieces,
                             level1_copies, level1_order, split_copies)
 from tide_core.plan.allgather import num_rounds
 from tide_core.runtime.arena import Arena
-from tide_core.runtime.groups import barrier, check_agreement, group_timeout_s, handshake, topology_groups
+from tide_core.runtime.groups import (barrier, check_agreement, group_for, group_timeout_s, handshake,
+                                     topology_groups)
 from tide_core.runtime.liveness import PeerMonitor
 from tide_core.runtime.program import ProgramRecorder, RecordedProgram
 from tide_core.runtime.watchdog import Watchdog
@@ -127,7 +128,8 @@ class CudaTransport(Transport):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
         self.topology = topology
         self.config = config or TIDEConfig()
-        handshake(f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group, self.config.timeout_s)
+        handshake(f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
+                  self.config.timeout_s)
         self.groups = topology_groups(topology, group)
         self.timeout_s = self.config.timeout_s or group_timeout_s(self.groups.group)
         self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local

@@ -23,7 +23,8 @@ from tide_core.errors import PeerFailure, PeerStallTimeout, RankMismatchError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, latin_square_plan, level1_order
 from tide_core.plan.allgather import StageCopy
 from tide_core.runtime.arena import Arena, plain_allocator
-from tide_core.runtime.groups import check_agreement, exchange, group_device, group_timeout_s, handshake, topology_groups
+from tide_core.runtime.groups import (check_agreement, exchange, group_device, group_for, group_timeout_s, handshake,
+                                     topology_groups)
 from tide_core.transport.base import (
     CompletedWork,
     Transport,
@@ -51,7 +52,8 @@ class ReferenceTransport(Transport):
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
         self.topology = topology
-        handshake(f"ReferenceTransport({topology.nodes}x{topology.gpus_per_node})", group, timeout_s)
+        handshake(f"ReferenceTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
+                  timeout_s)
         self.groups = topology_groups(topology, group)
         self.timeout_s = timeout_s or group_timeout_s(self.groups.group)
         self.failure: PeerStallTimeout | PeerFailure | None = None
@@ -183,7 +185,8 @@ class ReferenceTransport(Transport):
                 for copy in plans[peer].stage_copies[d]
                 for i in range(copy.count)
             ]
-            self._exchange(forward_sends, forward_recvs, self.groups.node_group, f"all_gather (node forward, round {d})")
+            self._exchange(forward_sends, forward_recvs, self.groups.node_group,
+                           f"all_gather (node forward, round {d})")
         return CompletedWork()
 
     @staticmethod

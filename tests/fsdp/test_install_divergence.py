@@ -26,6 +26,7 @@ def _diverge(rank, world_size, other):
     from tide_core.transport.reference import ReferenceTransport
 
     model = build()
+    dist.barrier()  # both ranks diverge from here (building the model may take one of them longer)
     started = time.monotonic()
     try:
         if rank == 0:

@@ -129,14 +129,16 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
 
 
 def peer_error(exc: BaseException, collective: str, group: dist.ProcessGroup | None, peer: int | None,
-               timeout_s: float | None = None) -> PeerStallTimeout | PeerFailure:
-    """The TIDE error for a backend error ``exc`` raised while ``collective`` waited on ``peer``:
-    a wait that ran out of time is a stall, anything else (a closed connection, a NCCL error) a
-    failure of the peer. The caller raises it ``from exc``."""
+               timeout_s: float | None = None, expired: bool = False) -> PeerStallTimeout | PeerFailure:
+    """The TIDE error for a backend error ``exc`` raised while ``collective`` waited on ``peer``
+    for at most ``timeout_s``: a wait that ran out of time (``expired``, or the backend says so:
+    gloo "timed out", NCCL "timing out") is a stall, anything else (a closed connection, a NCCL
+    error) a failure of the peer. The caller raises it ``from exc``."""
     who = f"peer rank {peer}" if peer is not None else "a peer"
     where = f"{collective} on group {_group_name(group)}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    if timeout_s is not None and "timed out" in str(exc).lower():
+    said = str(exc).lower()
+    if timeout_s is not None and (expired or "timed out" in said or "timing out" in said):
         return PeerStallTimeout(f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
                                 f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)")
     return PeerFailure(f"{where}: {who} failed or its connection broke: {text}", collective=collective,
@@ -155,7 +157,8 @@ def wait_all(works: list, collective: str, group: dist.ProcessGroup | None, time
         try:
             work.wait(timeout=timedelta(seconds=remaining))
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
-            raise peer_error(exc, collective, group, peer, timeout_s) from exc
+            expired = time.monotonic() >= deadline
+            raise peer_error(exc, collective, group, peer, timeout_s, expired) from exc
 
 
 def digest(obj) -> int:

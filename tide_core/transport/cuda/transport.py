@@ -3,7 +3,8 @@
 It owns the symmetric memory map, the internal streams, one recorder per collective and the
 recorded programs: a call is checked (fully the first time its buffers are seen), recorded once
 per buffer set by its collective's recorder and then replayed per call with a new flag base. A
-host watchdog turns a stalled peer into ``PeerStallTimeout`` on every rank.
+host watchdog turns a stalled peer into ``PeerStallTimeout`` on every rank, and a peer whose
+heartbeat stopped into ``PeerFailure`` (docs/reliability.md).
 """
 
 from __future__ import annotations

@@ -25,9 +25,21 @@ from tests.transport.cases import all_grads, all_shards, fp64_reduce_scatter, la
 from tide_core import PeerFailure, PeerStallTimeout
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaOptions, CudaTransport
-from tide_core.transport.faults import (CountTwice, DropCopy, DropRailCredits, DropStagingCredits, PushBeforeReady,
-                                        PushesBeforeSums, ReleaseInputsEarly, ReorderCalls, ReuseRailEarly,
-                                        ReuseStagingEarly, Site, SkipCompletion, SkipRailSignal)
+from tide_core.transport.faults import (
+    CountTwice,
+    DropCopy,
+    DropRailCredits,
+    DropStagingCredits,
+    PushBeforeReady,
+    PushesBeforeSums,
+    ReleaseInputsEarly,
+    ReorderCalls,
+    ReuseRailEarly,
+    ReuseStagingEarly,
+    Site,
+    SkipCompletion,
+    SkipRailSignal,
+)
 from tide_core.transport.reference import ReferenceTransport
 
 AG, RS = "all_gather", "reduce_scatter"

@@ -23,8 +23,15 @@ from tide_core.errors import PeerFailure, PeerStallTimeout, RankMismatchError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, latin_square_plan, level1_order
 from tide_core.plan.allgather import StageCopy
 from tide_core.runtime.arena import Arena, plain_allocator
-from tide_core.runtime.groups import (check_agreement, exchange, group_device, group_for, group_timeout_s, handshake,
-                                     topology_groups)
+from tide_core.runtime.groups import (
+    check_agreement,
+    exchange,
+    group_device,
+    group_for,
+    group_timeout_s,
+    handshake,
+    topology_groups,
+)
 from tide_core.transport.base import (
     CompletedWork,
     Transport,

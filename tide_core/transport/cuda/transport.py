@@ -18,8 +18,7 @@ from tide_core.errors import TransportError
 from tide_core.plan import GroupLayout, Topology, latin_square_plan
 from tide_core.plan.buffers import chunk_cap, chunk_elems, inbox_plan, piece_elems
 from tide_core.runtime.arena import Arena
-from tide_core.runtime.groups import (barrier, check_agreement, group_for, group_timeout_s, handshake,
-                                     topology_groups)
+from tide_core.runtime.groups import barrier, check_agreement, group_for, group_timeout_s, handshake, topology_groups
 from tide_core.runtime.liveness import PeerMonitor
 from tide_core.runtime.program import ProgramCache, ProgramRecorder
 from tide_core.runtime.watchdog import Watchdog

@@ -4,7 +4,7 @@
 ``import tide_core.plan`` stays light.
 """
 
-from tide_core.errors import PeerStallTimeout, PlanError, RankMismatchError, TIDEError, TransportError
+from tide_core.errors import PeerFailure, PeerStallTimeout, PlanError, RankMismatchError, TIDEError, TransportError
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "PlanError",
     "RankMismatchError",
     "PeerStallTimeout",
+    "PeerFailure",
     "TransportError",
 ]
 

@@ -32,9 +32,17 @@ class TIDEConfig:
     gpus_per_node: int | None = None
     #: Groups with more parameters fall back to stock collectives (paper: 256).
     max_params: int = 256
-    #: Seconds any cross-GPU wait may take before PeerStallTimeout is raised.
-    timeout_s: float = 300.0
-    #: After a stall nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
+    #: Seconds a live peer may be late in a TIDE collective before PeerStallTimeout is raised (every
+    #: transport, every wait). None: the process group's own timeout (10 min NCCL, 30 min gloo by
+    #: default), so TIDE never gives up on a slow peer (rank-0-only evaluation, a long checkpoint
+    #: save) sooner than the backend would. Dead peers are found sooner: see peer_dead_s.
+    timeout_s: float | None = None
+    #: CUDA transport: a host heartbeat every heartbeat_s through the process group's store; a peer
+    #: silent for peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s
+    #: is. (gloo reports a dead peer's closed connection by itself.) docs/reliability.md.
+    heartbeat_s: float = 2.0
+    peer_dead_s: float = 60.0
+    #: After a failure nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
     #: process (fail-stop, like NCCL's watchdog) instead of hanging.
     abort_on_stall: bool = True
     #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).

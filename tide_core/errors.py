@@ -17,7 +17,21 @@ class RankMismatchError(TIDEError, RuntimeError):
 
 
 class PeerStallTimeout(TIDEError, TimeoutError):
-    """A peer did not signal within the configured timeout: fail-stop instead of a silent hang."""
+    """A live peer did not take part within ``timeout_s``: fail-stop instead of a silent hang."""
+
+
+class PeerFailure(TIDEError, RuntimeError):
+    """A peer died or its connection broke during a TIDE collective.
+
+    ``collective``, ``group`` and ``peer`` (global rank, None when the backend does not say which)
+    name where; the backend's own error is the ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, collective: str, group: str, peer: int | None):
+        super().__init__(message)
+        self.collective = collective
+        self.group = group
+        self.peer = peer
 
 
 class TransportError(TIDEError, RuntimeError):

@@ -3,7 +3,8 @@
     results = run_distributed(fn, world_size=4, args=(...), timeout=120)
 
 ``fn(rank, world_size, *args)`` must be a module-level function (it is pickled). Workers start
-from a forkserver that has torch preloaded, so a 2-process run costs about a second.
+from a forkserver that has torch preloaded, so a 2-process run costs about a second. Fault tests
+that kill a rank name it in ``exits`` ({rank: exit code}); its result is then ``("exited", code)``.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
 
 
 def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 120, backend: str = "gloo",
-                    env: dict | None = None) -> list:
+                    env: dict | None = None, exits: dict[int, int] | None = None) -> list:
     ctx = _context()
     port = free_port()
     results = ctx.Queue()
@@ -95,6 +96,9 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
             except queue_module.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
+                if exits and all(r in exits and procs[r].exitcode == exits[r] for r in range(world_size)
+                                 if r not in outcome):
+                    break  # only the ranks expected to exit are missing, and they did
                 continue
             outcome[rank] = (ok, value)
             if not ok and first_failure_at is None:
@@ -106,6 +110,9 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
             if p.is_alive():
                 p.terminate()
                 p.join(timeout=5)
+    for rank, code in (exits or {}).items():
+        if rank not in outcome and procs[rank].exitcode == code:
+            outcome[rank] = (True, ("exited", code))
     failures = {r: v for r, (ok, v) in outcome.items() if not ok}  # insertion order = arrival order
     if failures:
         rank = next(iter(failures))  # the first to fail is the cause; the others usually follow it

@@ -139,17 +139,20 @@ class EmulatedDevice:
         for s in {id(s.q): s for s in self.streams}.values():
             s.q.join()
 
-    def copy_batch(self, stream, dsts, srcs, sizes):
+    def _copies(self, stream, dsts, srcs, sizes, delay_s: float):
         dsts, srcs, sizes = list(dsts), list(srcs), list(sizes)
 
         def run():
-            if self.push_delay_s and dsts:
-                time.sleep(self.push_delay_s)
+            if delay_s and dsts:
+                time.sleep(delay_s)
             for d, s, n in zip(dsts, srcs, sizes):
                 ctypes.memmove(d, s, n)
             self.copies += len(dsts)
 
         stream.submit(run)
+
+    def copy_batch(self, stream, dsts, srcs, sizes):
+        self._copies(stream, dsts, srcs, sizes, self.push_delay_s)
 
     def copy_2d(self, stream, dst, dpitch, src, spitch, width, height):
         def run():
@@ -162,9 +165,7 @@ class EmulatedDevice:
         stream.submit(run)
 
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
-        if self.copy_delay_s:
-            stream.submit(lambda: time.sleep(self.copy_delay_s))
-        self.copy_batch(stream, dsts, srcs, sizes)
+        self._copies(stream, dsts, srcs, sizes, self.copy_delay_s)  # a kernel: not slowed like the copy engines
 
     def host_step(self, stream, step):
         """A host step as ProcessGroupNCCL runs it: on one communication stream per device (its own

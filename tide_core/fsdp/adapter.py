@@ -28,7 +28,7 @@ from tide_core.fsdp.group import SlotRing, TideGroup
 from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
-from tide_core.runtime.groups import check_agreement, point_to_point_unavailable_reason
+from tide_core.runtime.groups import check_agreement, handshake, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
 
 log = logging.getLogger("tide")
@@ -192,6 +192,10 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         raise TIDEError("tide_core.install needs torch.distributed to be initialized (it is collective)")
     if not any(_is_fsdp(m) for m in model.modules()):
         raise TIDEError("model has no FSDP2 module: call fully_shard(...) before tide_core.install(model)")
+    # Every rank must be here before the first collective: one that skipped install or runs another
+    # collective meets a named error, not a size mismatch that aborts the process inside gloo.
+    if dist.get_world_size() > 1:
+        handshake("tide_core.install", None, config.timeout_s)
     found = compat.fsdp_param_groups(model)
     internals, unsupported = compat.probe()
 
@@ -221,7 +225,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
            for e in entries},
     }
     if dist.get_world_size() > 1:
-        check_agreement(description, None, "tide_core.install")
+        check_agreement(description, None, "tide_core.install", config.timeout_s)
 
     transports: dict = {}
     rings: dict = {}

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import hashlib
 import pickle
+import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tide_core.errors import RankMismatchError
+from tide_core.errors import PeerFailure, PeerStallTimeout, RankMismatchError
 from tide_core.plan import Topology
 
 
@@ -42,8 +44,8 @@ class TopologyGroups:
 _CACHE: dict = {}
 
 
-def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) -> TopologyGroups:
-    """Build (once) the node and rail sub-groups of ``group`` for ``topology``. Collective."""
+def group_for(topology: Topology, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """``group`` (None: the default group) after checking, locally, that it has ``topology``'s ranks."""
     if not dist.is_initialized():
         raise ValueError("group: torch.distributed is not initialized; call init_process_group first")
     group = group if group is not None else dist.group.WORLD
@@ -53,6 +55,12 @@ def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) 
             f"topology={topology.nodes}x{topology.gpus_per_node} has {topology.world_size} ranks but the "
             f"process group has {size}"
         )
+    return group
+
+
+def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) -> TopologyGroups:
+    """Build (once) the node and rail sub-groups of ``group`` for ``topology``. Collective."""
+    group = group_for(topology, group)
     key = (group.group_name, topology)  # names are never reused, unlike id() of a freed group
     if key in _CACHE:
         return _CACHE[key]
@@ -71,8 +79,9 @@ def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) 
 
 
 def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-             group: dist.ProcessGroup | None) -> None:
-    """Post every send and receive (peers are global ranks) and wait for all of them.
+             group: dist.ProcessGroup | None, *, collective: str = "exchange", timeout_s: float | None = None) -> None:
+    """Post every send and receive (peers are global ranks) and wait for all of them, at most
+    ``timeout_s`` in all (None: the process group's own timeout); see ``wait_all``.
 
     Messages between one pair of ranks are matched in posting order, so both sides must list them
     in the same order. NCCL needs them batched (a lone blocking send would deadlock against a peer
@@ -81,16 +90,75 @@ def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch
     if not sends and not recvs:
         return
     on_cuda = any(t.is_cuda for _, t in sends + recvs)
-    if on_cuda:
-        ops = [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
-        ops += [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return
-    works = [dist.irecv(t, src=peer, group=group) for peer, t in recvs]
-    works += [dist.isend(t, dst=peer, group=group) for peer, t in sends]
-    for work in works:
-        work.wait()
+    try:
+        if on_cuda:
+            ops = [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
+            ops += [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
+            works = [(None, work) for work in dist.batch_isend_irecv(ops)]
+        else:
+            works = [(peer, dist.irecv(t, src=peer, group=group)) for peer, t in recvs]
+            works += [(peer, dist.isend(t, dst=peer, group=group)) for peer, t in sends]
+    except RuntimeError as exc:  # posting fails at once when a peer's connection is already gone
+        raise peer_error(exc, collective, group, None) from exc
+    wait_all(works, collective, group, timeout_s)
+
+
+def barrier(group: dist.ProcessGroup | None, what: str, timeout_s: float | None = None) -> None:
+    """``dist.barrier`` bounded by ``timeout_s`` (None: the process group's timeout), errors named."""
+    try:
+        work = dist.barrier(group=group, async_op=True)
+    except RuntimeError as exc:
+        raise peer_error(exc, what, group, None) from exc
+    wait_all([(None, work)], what, group, timeout_s)
+
+
+def group_timeout_s(group: dist.ProcessGroup | None = None) -> float:
+    """The process group's own timeout in seconds (what it was created with; by default 10 min
+    for NCCL, 30 min for gloo)."""
+    group = group if group is not None else dist.group.WORLD
+    try:
+        options = group._get_backend(group_device(group)).options
+        return options._timeout.total_seconds()
+    except (AttributeError, RuntimeError):  # backends without options: torch's documented defaults
+        return 600.0 if "nccl" in str(dist.get_backend(group)) else 1800.0
+
+
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    group = group if group is not None else dist.group.WORLD
+    return f"{group.group_name} (global ranks {dist.get_process_group_ranks(group)})"
+
+
+def peer_error(exc: BaseException, collective: str, group: dist.ProcessGroup | None, peer: int | None,
+               timeout_s: float | None = None, expired: bool = False) -> PeerStallTimeout | PeerFailure:
+    """The TIDE error for a backend error ``exc`` raised while ``collective`` waited on ``peer``
+    for at most ``timeout_s``: a wait that ran out of time (``expired``, or the backend says so:
+    gloo "timed out", NCCL "timing out") is a stall, anything else (a closed connection, a NCCL
+    error) a failure of the peer. The caller raises it ``from exc``."""
+    who = f"peer rank {peer}" if peer is not None else "a peer"
+    where = f"{collective} on group {_group_name(group)}"
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = str(exc).lower()
+    if timeout_s is not None and (expired or "timed out" in said or "timing out" in said):
+        return PeerStallTimeout(f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
+                                f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)")
+    return PeerFailure(f"{where}: {who} failed or its connection broke: {text}", collective=collective,
+                       group=_group_name(group), peer=peer)
+
+
+def wait_all(works: list, collective: str, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
+    """Wait for ``works`` ((peer global rank or None, work) pairs) for at most ``timeout_s`` in all
+    (None: the process group's own timeout). A peer that does not take part in time raises
+    PeerStallTimeout, a dead one PeerFailure, both naming the collective, the group and the peer.
+    The backend's wait does the timing (gloo and NCCL both take a timeout), so no thread polls."""
+    timeout_s = group_timeout_s(group) if timeout_s is None else timeout_s
+    deadline = time.monotonic() + timeout_s
+    for peer, work in works:
+        remaining = max(deadline - time.monotonic(), 0.001)
+        try:
+            work.wait(timeout=timedelta(seconds=remaining))
+        except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
+            expired = time.monotonic() >= deadline
+            raise peer_error(exc, collective, group, peer, timeout_s, expired) from exc
 
 
 #: Backends whose process groups implement isend/irecv, which every TIDE transport uses.
@@ -122,21 +190,30 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_agreement(description: dict, group: dist.ProcessGroup | None, what: str) -> None:
+def check_agreement(description: dict, group: dist.ProcessGroup | None, what: str,
+                    timeout_s: float | None = None) -> None:
     """Abort on every rank if ranks pass different ``description`` dicts; name rank and key.
 
-    One fixed-size all-gather of a digest on the common path; the full descriptions are only
-    exchanged when the digests differ, to find and name the first difference.
+    One fixed-size all-gather of a digest on the common path, bounded by ``timeout_s`` (None: the
+    process group's timeout); the full descriptions are only exchanged when the digests differ,
+    to find and name the first difference.
     """
     group = group if group is not None else dist.group.WORLD
     mine = torch.tensor([digest(sorted(description.items()))], dtype=torch.int64, device=group_device(group))
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
+    try:
+        work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise peer_error(exc, what, group, None) from exc
+    wait_all([(None, work)], what, group, timeout_s)
     values = [int(t.item()) for t in everyone]
     if len(set(values)) == 1:
         return
     descriptions: list = [None] * len(values)
-    dist.all_gather_object(descriptions, description, group=group)
+    try:  # every rank got here (the digests were exchanged), so this variable-size gather matches
+        dist.all_gather_object(descriptions, description, group=group)
+    except RuntimeError as exc:
+        raise peer_error(exc, what, group, None) from exc
     problems = []
     base = descriptions[0]
     for rank, other in enumerate(descriptions[1:], start=1):
@@ -145,3 +222,54 @@ def check_agreement(description: dict, group: dist.ProcessGroup | None, what: st
                 problems.append(f"rank {rank} has {key}={other.get(key)!r} but rank 0 has {base.get(key)!r}")
                 break
     raise RankMismatchError(f"{what}: ranks disagree: " + "; ".join(problems))
+
+
+HANDSHAKE_MAGIC = "TIDE-handshake"
+HANDSHAKE_VERSION = 1
+_handshakes: dict[str, int] = {}  # group name -> handshakes this process entered on it
+
+
+def handshake(what: str, group: dist.ProcessGroup | None = None, timeout_s: float | None = None) -> None:
+    """Check that every rank of ``group`` entered the same TIDE entry point ``what`` (as its
+    same-numbered handshake on the group) before any collective of it is issued.
+
+    Through the group's key-value store, not a collective: a tensor collective, even a fixed-size
+    one, against a rank inside a different collective makes gloo abort the process on the size
+    mismatch (SIGABRT, nothing to catch). A rank that does not arrive within ``timeout_s`` (None:
+    the process group's timeout) raises PeerStallTimeout naming it; one that entered a different
+    entry point raises RankMismatchError on every rank that sees it.
+    """
+    group = group if group is not None else dist.group.WORLD
+    timeout_s = group_timeout_s(group) if timeout_s is None else timeout_s
+    seq = _handshakes.get(group.group_name, 0) + 1
+    _handshakes[group.group_name] = seq
+    me, size = dist.get_rank(group), dist.get_world_size(group)
+    mine = f"{HANDSHAKE_MAGIC}/{HANDSHAKE_VERSION}/{what}"
+    key = f"tide/handshake/{seq}/"
+    try:
+        values = _handshake_values(group.get_group_store(), key, me, size, mine, what, group, timeout_s)
+    except RuntimeError as exc:  # the store's host (the group's master) is gone
+        raise PeerFailure(f"{what}: the key-value store of group {_group_name(group)} is unreachable: {exc}",
+                          collective=what, group=_group_name(group), peer=None) from exc
+    for r, theirs in enumerate(values):
+        if theirs != mine:
+            raise RankMismatchError(f"{what}: rank {dist.get_global_rank(group, r)} entered {theirs!r} where rank "
+                                    f"{dist.get_global_rank(group, me)} entered {mine!r} (handshake #{seq} on "
+                                    f"group {_group_name(group)})")
+
+
+def _handshake_values(store, key: str, me: int, size: int, mine: str, what: str, group, timeout_s: float) -> list:
+    """Publish ``mine`` under ``key``/me, wait for every rank's value and return them by rank."""
+    store.set(key + str(me), mine)
+    deadline = time.monotonic() + timeout_s
+    missing = [r for r in range(size) if r != me]
+    while missing:
+        missing = [r for r in missing if not store.check([key + str(r)])]
+        if missing and time.monotonic() > deadline:
+            ranks = [dist.get_global_rank(group, r) for r in missing]
+            raise PeerStallTimeout(
+                f"{what}: rank(s) {ranks} of group {_group_name(group)} did not enter it within {timeout_s:g} s "
+                f"(they skipped it, are inside a different collective, or are late; TIDE_TIMEOUT_S sets the limit)")
+        if missing:
+            time.sleep(0.02)
+    return [store.get(key + str(r)).decode() for r in range(size)]

@@ -62,4 +62,4 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
     from tide_core.transport.reference import ReferenceTransport
 
     return ReferenceTransport(topology, group, wave_width=options.wave_width, round_width=options.round_width,
-                              validate=validate_calls, device=device)
+                              validate=validate_calls, device=device, timeout_s=options.timeout_s)

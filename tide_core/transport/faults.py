@@ -143,6 +143,83 @@ class ReorderCalls(Fault):
         return call.base + {self.call: 1, self.call + 1: -1}.get(call.number, 0)
 
 
+@dataclass(frozen=True)
+class DropCopy(Fault):
+    """The ``occurrence``-th copy operation labelled ``site`` (AG_PUSH, RS_PUSH or RAIL_PUT) is not
+    issued in every call: its contributions never land (invariant I1)."""
+
+    site: Site
+    occurrence: int = 0
+
+    def edit(self, labelled, call):
+        hits = [i for i, (site, _) in enumerate(labelled) if site is self.site]
+        drop = hits[self.occurrence] if self.occurrence < len(hits) else None
+        return [pair for i, pair in enumerate(labelled) if i != drop]
+
+
+@dataclass(frozen=True)
+class CountTwice(Fault):
+    """Reduce-scatter Level-1 sums add their first staged peer twice: a contributor lands twice (I1)."""
+
+    def edit(self, labelled, call):
+        out = []
+        for site, op in labelled:
+            if site is Site.RS_SUM and op[3]:
+                kind, stream, dst, staged, *rest = op
+                op = (kind, stream, dst, [staged[0], *staged], *rest)
+            out.append((site, op))
+        return out
+
+
+@dataclass(frozen=True)
+class ReleaseInputsEarly(Fault):
+    """A call's completion no longer covers this rank's reads of its inputs (I2): the reduce-scatter's
+    "pushed" event is recorded before its pushes, the all-gather's done event stops waiting for the
+    push lanes. The caller may then refill or free gradients and shards the copy engines still read."""
+
+    def edit(self, labelled, call):
+        ops = [op for _, op in labelled]
+        if call.collective == REDUCE_SCATTER:  # outputs: [record(push stream), record(sum stream)]
+            pushed = len(ops) - 2
+            stream = ops[pushed][1]
+            first = next(i for i, op in enumerate(ops) if op[1] is stream)
+            order = list(range(first + 1)) + [pushed] + [i for i in range(first + 1, len(ops)) if i != pushed]
+            return [labelled[i] for i in order]
+        # all-gather: the event recorded right after the completion signal marks the lanes' pushes done
+        signal = min(i for i, (site, _) in enumerate(labelled) if site is Site.AG_COMPLETION)
+        pushed = ops[signal + 1][2]
+        return [(site, op) for site, op in labelled if not (op[0] == "wait_event" and op[2] == pushed)]
+
+
+@dataclass(frozen=True)
+class PushBeforeReady(Fault):
+    """All-gather lanes push without waiting for the peers' readiness: a landing is rewritten while
+    its previous consumer may still read it (I3)."""
+
+    def edit(self, labelled, call):
+        ready_waits = {i - 1 for i, (site, op) in enumerate(labelled)
+                       if site is Site.AG_PUSH and i and labelled[i - 1][0] is Site.AG_READY
+                       and labelled[i - 1][1][0] == "wait_flags" and labelled[i - 1][1][1] is op[1]}
+        return [pair for i, pair in enumerate(labelled) if i not in ready_waits]
+
+
+@dataclass(frozen=True)
+class PushesBeforeSums(Fault):
+    """The reduce-scatter enqueues all of a call's pushes (and their credit waits) before any sum:
+    the order the transport had before waits were made to target earlier-enqueued producers (I4).
+    Each stream's own order is kept, so with a hardware queue per stream it still completes; with
+    one shared queue a credit wait blocks the sums its peers wait for, and every rank deadlocks."""
+
+    def edit(self, labelled, call):
+        pushes = {id(op[1]) for site, op in labelled if site is Site.RS_PUSH}
+        if not pushes:
+            return labelled
+        start = next(i for i, (_, op) in enumerate(labelled) if op[0] == "record")
+        moved = [pair for pair in labelled[start + 1:] if id(pair[1][1]) in pushes]
+        rest = [pair for pair in labelled[start + 1:] if id(pair[1][1]) not in pushes]
+        return labelled[: start + 1] + moved + rest
+
+
 class Faults:
     """The faults injected into one transport; empty (false) in production."""
 

@@ -8,7 +8,10 @@ directly where it belongs: received shards are written into the output views of 
 receive stage is (M-1)*S, reduce-scatter buffers are a few per-rank shards. N processes on one
 machine emulate M nodes x L GPUs (M = 4, L = 2 runs as 8 CPU processes on gloo).
 
-Everything is synchronous: calls return a completed handle.
+Everything is synchronous: calls return a completed handle. Every wait is bounded by
+``timeout_s`` (None: the process group's timeout): a peer that does not take part raises
+PeerStallTimeout, a dead one PeerFailure, on every rank that waits on it; after either the
+transport is failed and every later call raises the same error (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -16,11 +19,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tide_core.errors import RankMismatchError
+from tide_core.errors import PeerFailure, PeerStallTimeout, RankMismatchError
 from tide_core.plan import GroupLayout, Topology, allgather_plan, latin_square_plan, level1_order
 from tide_core.plan.allgather import StageCopy
 from tide_core.runtime.arena import Arena, plain_allocator
-from tide_core.runtime.groups import check_agreement, exchange, group_device, topology_groups
+from tide_core.runtime.groups import (
+    check_agreement,
+    exchange,
+    group_device,
+    group_for,
+    group_timeout_s,
+    handshake,
+    topology_groups,
+)
 from tide_core.transport.base import (
     CompletedWork,
     Transport,
@@ -42,11 +53,17 @@ class ReferenceTransport(Transport):
         round_width: int = 2,
         validate: bool = True,
         device: torch.device | str | None = None,
+        timeout_s: float | None = None,
     ):
+        """``timeout_s``: the longest any wait of a call may take (None: the process group's timeout)."""
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
         self.topology = topology
+        handshake(f"ReferenceTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
+                  timeout_s)
         self.groups = topology_groups(topology, group)
+        self.timeout_s = timeout_s or group_timeout_s(self.groups.group)
+        self.failure: PeerStallTimeout | PeerFailure | None = None
         self.waves = latin_square_plan(topology.nodes, topology.gpus_per_node, wave_width, round_width).validate()
         # Comparing a digest of every call's shapes across ranks costs one small all-gather; it
         # turns a rank that passes different shapes into a named error instead of a hang.
@@ -56,6 +73,20 @@ class ReferenceTransport(Transport):
         self.arena = Arena(plain_allocator(self.device))
 
     # -- helpers ---------------------------------------------------------------------------
+    def _exchange(self, sends, recvs, group, collective: str) -> None:
+        exchange(sends, recvs, group, collective=collective, timeout_s=self.timeout_s)
+
+    def _failing(self, call):
+        """Run one call; a stalled or dead peer fails the transport for good (fail-stop): the group's
+        connections may be half-closed and its queues out of step, so later calls re-raise."""
+        if self.failure is not None:
+            raise self.failure
+        try:
+            return call()
+        except (PeerStallTimeout, PeerFailure) as exc:
+            self.failure = exc
+            raise
+
     def _check_layout(self, layout: GroupLayout) -> None:
         if not isinstance(layout, GroupLayout):
             raise ValueError(f"layout must be a GroupLayout, got {type(layout).__name__}")
@@ -81,7 +112,7 @@ class ReferenceTransport(Transport):
             description = call_description(kind, self.topology, layout, dtype)
             description["argument check"] = problem or "ok"
             try:
-                check_agreement(description, self.groups.group, kind)
+                check_agreement(description, self.groups.group, kind, self.timeout_s)
             except RankMismatchError as exc:
                 if problem:  # the offending rank reports its own argument error
                     raise ValueError(problem) from exc
@@ -101,6 +132,9 @@ class ReferenceTransport(Transport):
 
     # -- all-gather ------------------------------------------------------------------------
     def all_gather(self, layout: GroupLayout, shards, outputs):
+        return self._failing(lambda: self._all_gather(layout, shards, outputs))
+
+    def _all_gather(self, layout: GroupLayout, shards, outputs):
         self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs),
                        getattr(shards[0], "dtype", None) if shards else None)
         topo, me = self.topology, self.groups.rank
@@ -115,10 +149,10 @@ class ReferenceTransport(Transport):
         for p in range(layout.num_params):
             rows(p, me).copy_(shards[p])
         peers = [r for r in topo.node_ranks(n) if r != me]
-        exchange(
+        self._exchange(
             [(self._g(peer), shards[p]) for peer in peers for p in range(layout.num_params)],
             [(self._g(peer), rows(p, peer)) for peer in peers for p in range(layout.num_params)],
-            self.groups.node_group,
+            self.groups.node_group, "all_gather (node-local push)",
         )
         if M == 1:
             return CompletedWork()
@@ -142,7 +176,7 @@ class ReferenceTransport(Transport):
                 sends.append((dst, stage[: (send.num_slots - 1) * E]))
             if recv.num_slots > 1:
                 recvs.append((src, stage[base + E : base + recv.num_slots * E]))
-            exchange(sends, recvs, self.groups.rail_group)
+            self._exchange(sends, recvs, self.groups.rail_group, f"all_gather (rail round {d})")
 
             for copy in plan.stage_copies[d]:
                 self._scatter(layout, stage, flat_out, copy)
@@ -158,7 +192,8 @@ class ReferenceTransport(Transport):
                 for copy in plans[peer].stage_copies[d]
                 for i in range(copy.count)
             ]
-            exchange(forward_sends, forward_recvs, self.groups.node_group)
+            self._exchange(forward_sends, forward_recvs, self.groups.node_group,
+                           f"all_gather (node forward, round {d})")
         return CompletedWork()
 
     @staticmethod
@@ -187,6 +222,9 @@ class ReferenceTransport(Transport):
 
     # -- reduce-scatter --------------------------------------------------------------------
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False):
+        return self._failing(lambda: self._reduce_scatter(layout, grads, out, alpha, accumulate))
+
+    def _reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float, accumulate: bool):
         self._prologue("reduce_scatter", layout, lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate),
                        getattr(grads[0], "dtype", None) if grads else None)
         topo, me = self.topology, self.groups.rank
@@ -229,7 +267,7 @@ class ReferenceTransport(Transport):
                     view = packed_slice(buf, p, my_dest)
                     if view.numel():
                         recvs.append((self._g(topo.rank(n, j)), view))
-            exchange(sends, recvs, self.groups.node_group)
+            self._exchange(sends, recvs, self.groups.node_group, f"reduce_scatter (Level 1, step {c})")
             own = torch.zeros(E, dtype=dtype, device=device)
             for p in range(P):
                 packed_slice(own, p, my_dest).copy_(rows_of(p, my_dest))
@@ -241,10 +279,10 @@ class ReferenceTransport(Transport):
             # Network: the partial travels over rail u to inbox block (u + cbar) % L of rank (m, u).
             if c < M:
                 inbound = torch.empty(E, dtype=torch.float32, device=device)
-                exchange(
+                self._exchange(
                     [(self._g(topo.rank(m, u)), partial)],
                     [(self._g(topo.rank((n - c) % M, u)), inbound)],
-                    self.groups.rail_group,
+                    self.groups.rail_group, f"reduce_scatter (rail, step {c})",
                 )
                 held[c] = ((u + cbar) % L, inbound)
             else:
@@ -267,7 +305,7 @@ class ReferenceTransport(Transport):
                     buf = torch.empty(E, dtype=torch.float32, device=device)
                     recvs.append((self._g(topo.rank(n, j)), buf))
                     blocks[cc] = buf
-            exchange(sends, recvs, self.groups.node_group)
+            self._exchange(sends, recvs, self.groups.node_group, f"reduce_scatter (wave {wave_of[c]} landing)")
             wave_sum = None
             for cc in wave:
                 wave_sum = blocks[cc].clone() if wave_sum is None else wave_sum.add_(blocks[cc])

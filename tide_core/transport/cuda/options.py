@@ -39,10 +39,15 @@ class CudaOptions:
     round_width: int = 2
     #: Multi-node reduce-scatter outbox: False keeps M-1 blocks, True recycles them (Eq. 9).
     recycle_outbox: bool = False
-    #: Seconds any cross-GPU wait may take before PeerStallTimeout; after a further timeout_s
-    #: nobody observed, exit the process (fail-stop) if ``abort_on_stall``.
-    timeout_s: float = 300.0
+    #: Seconds a live peer may be late before PeerStallTimeout (None: the process group's own
+    #: timeout); after a further timeout_s nobody observed, exit the process (fail-stop) if
+    #: ``abort_on_stall``. docs/reliability.md.
+    timeout_s: float | None = None
     abort_on_stall: bool = True
+    #: A host heartbeat every heartbeat_s through the process group's store; a peer silent for
+    #: peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s is.
+    heartbeat_s: float = 2.0
+    peer_dead_s: float = 60.0
 
     #: Options every rank of a group must share: they size the symmetric buffers and pace the protocol.
     PROTOCOL = ("chunk_mib", "chunk_slots", "sum_slice_mib", "wave_width", "round_width", "rail", "recycle_outbox")
@@ -63,8 +68,13 @@ class CudaOptions:
             raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
         if not self.chunk_mib > 0:
             raise ValueError(f"chunk_mib={self.chunk_mib!r} must be > 0")
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0")
+        if self.timeout_s is not None and not self.timeout_s > 0:
+            raise ValueError(f"timeout_s={self.timeout_s!r} must be > 0 or None (the process group's timeout)")
+        if not self.heartbeat_s > 0:
+            raise ValueError(f"heartbeat_s={self.heartbeat_s!r} must be > 0")
+        if not self.peer_dead_s > 2 * self.heartbeat_s:
+            raise ValueError(f"peer_dead_s={self.peer_dead_s!r} must exceed two heartbeats "
+                             f"(heartbeat_s={self.heartbeat_s!r})")
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

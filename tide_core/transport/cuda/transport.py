@@ -3,7 +3,8 @@
 It owns the symmetric memory map, the internal streams, one recorder per collective and the
 recorded programs: a call is checked (fully the first time its buffers are seen), recorded once
 per buffer set by its collective's recorder and then replayed per call with a new flag base. A
-host watchdog turns a stalled peer into ``PeerStallTimeout`` on every rank.
+host watchdog turns a stalled peer into ``PeerStallTimeout`` on every rank, and a peer whose
+heartbeat stopped into ``PeerFailure`` (docs/reliability.md).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from tide_core.errors import TransportError
 from tide_core.plan import GroupLayout, Topology, latin_square_plan
 from tide_core.plan.buffers import chunk_cap, chunk_elems, inbox_plan, piece_elems
 from tide_core.runtime.arena import Arena
-from tide_core.runtime.groups import check_agreement, topology_groups
+from tide_core.runtime.groups import barrier, check_agreement, group_for, group_timeout_s, handshake, topology_groups
+from tide_core.runtime.liveness import PeerMonitor
 from tide_core.runtime.program import ProgramCache, ProgramRecorder
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
@@ -78,7 +80,10 @@ class CudaTransport(Transport):
             raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
         self.topology = topology
         self.options = options = options or CudaOptions()
+        handshake(f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
+                  options.timeout_s)
         self.groups = topology_groups(topology, group)
+        self.timeout_s = options.timeout_s or group_timeout_s(self.groups.group)
         self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local
         L = topology.gpus_per_node
         if L - 1 > 15:
@@ -97,7 +102,7 @@ class CudaTransport(Transport):
         self.faults = faults if isinstance(faults, Faults) else Faults(faults or ())
         # Ranks that size or pace the protocol differently would allocate different symmetric
         # segments and wait on flags nobody writes: abort on every rank now, naming the field.
-        check_agreement(options.protocol(), self.groups.group, "CudaTransport")
+        check_agreement(options.protocol(), self.groups.group, "CudaTransport", self.timeout_s)
 
         pieces = piece_elems(options.sum_slice_bytes)
         self.rail = None
@@ -136,7 +141,7 @@ class CudaTransport(Transport):
             )
             self.name = f"cuda, {self.rail.name} rail"
         self.dev.synchronize()
-        dist.barrier(group=self.groups.group)  # nobody signals into flags a peer has not zeroed yet
+        barrier(self.groups.group, "CudaTransport", self.timeout_s)  # nobody signals into unzeroed flags
 
         self.streams = Streams.create(self.dev, options.copy_lanes, multi_node=self.rail is not None)
         self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options)
@@ -150,11 +155,17 @@ class CudaTransport(Transport):
         self._agreed: set = set()
         self.programs = ProgramCache(self.dev.compile, MAX_PROGRAMS)
         self._checked: set = set()  # calls whose buffers were validated (and agreed on) once
+        # The ranks this one waits on (node and rail peers) beat through the group's store: a dead one
+        # fails the wait in peer_dead_s, a live but late one gets timeout_s (docs/reliability.md).
+        peers = sorted((set(topology.node_ranks(self.node)) | set(topology.rail_ranks(self.local))) - {self.rank})
+        monitor = PeerMonitor(self.groups.group, peers, options.heartbeat_s, options.peer_dead_s)
         self.watchdog = Watchdog(
             self.dev.query,
-            options.timeout_s,
+            self.timeout_s,
             self._release_after_stall,
-            abort_after_s=options.timeout_s if options.abort_on_stall else None,
+            abort_after_s=self.timeout_s if options.abort_on_stall else None,
+            monitor=monitor,
+            group=self.groups.group.group_name,
         )
 
     def describe(self) -> list[str]:
@@ -197,7 +208,7 @@ class CudaTransport(Transport):
             return
         description = call_description(kind, self.topology, layout, dtype)
         description["argument check"] = problem or "ok"
-        check_agreement(description, self.groups.group, kind)
+        check_agreement(description, self.groups.group, kind, self.timeout_s)
         self._agreed.add(key)
 
     def _prologue(self, kind, layout, check, dtype) -> None:

@@ -152,6 +152,9 @@ def _make_dispatchers(internals) -> dict:
     def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                            all_gather_comm):
         served = _served(fsdp_params)
+        if served is not None and served.stock_gradient_pending():
+            served.fall_back("an unreduced gradient from steps on stock collectives (installed after an unshard)")
+            served = None
         if served is None or served.fsdp_params != list(fsdp_params):
             return orig["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                               all_gather_stream, device, all_gather_comm)

@@ -126,6 +126,22 @@ class TideGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def stock_gradient_pending(self) -> bool:
+        """Before the first TIDE all-gather: FSDP2 holds an unreduced gradient on an unsharded
+        parameter it built over its own storage (steps without gradient sync ran on stock
+        collectives, e.g. ``unshard()`` before the first forward). Binding would rebuild that
+        parameter over the landing and drop the gradient."""
+        return self.landings is None and any(
+            getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None
+            for fp in self.fsdp_params)
+
+    def fall_back(self, reason: str) -> None:
+        """Hand the group to stock collectives for good (before it was ever bound)."""
+        self.unbind()
+        entry = self.handle.entries[self.index]
+        entry.served, entry.reason = None, reason
+        log.warning("TIDE: group %s runs stock collectives from now on: %s", self.name, reason)
+
     def _gather_dropped(self) -> bool:
         """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited
         for, cleared at the end of backward): the landing holds nothing, and no free follows."""

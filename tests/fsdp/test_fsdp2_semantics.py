@@ -388,6 +388,27 @@ def _one_f_one_b(mode, rank, *, explicit_unshard: bool, reshard_after_backward: 
     return rec.finish()
 
 
+def _install_after_explicit_unshard(mode, rank):
+    """PyTorch's 1F1B test order: every group unsharded (stock, TIDE not yet installed), then
+    install, then microbatches without gradient sync: groups holding such a gradient stay stock."""
+    from torch.distributed.fsdp import FSDPModule
+
+    model = _tiny_lm(reshard=False)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.unshard(async_op=True)
+    rec = Recorder(model, mode)
+    opt = _opt(model)
+    data = _tokens(rank, 3)
+    for micro in range(3):
+        last = micro == 2
+        model.set_requires_gradient_sync(last)
+        model.set_is_last_backward(last)
+        rec.backward(loss_fn(model, data[micro]))
+    rec.step(opt, True)
+    return rec.finish()
+
+
 def _explicit_prefetch(mode, rank):
     """Explicit forward and backward prefetch of two groups, set before the first forward: groups
     gathered while both ring slots are live get dedicated landings."""
@@ -551,6 +572,7 @@ SCENARIOS = {
     "1f1b explicit unshard, reshard after last backward": (
         _one_f_one_b, {"explicit_unshard": True, "reshard_after_backward": False}),
     "explicit prefetch of two groups": (_explicit_prefetch, {}),
+    "install after an explicit unshard": (_install_after_explicit_unshard, {}),
     "frozen parameters": (_frozen_parameters, {}),
     "clip_grad_norm_": (_clip_grad_norm, {}),
     "parameters unused on some steps": (_unused_parameters, {}),
@@ -568,7 +590,8 @@ ON_2_RANKS = [
     "partial group reshard toggle, initial reshard", "partial group reshard toggle, tied",
     "partial group reshard toggle, tied, initial reshard", "double partial forward",
     "double forward, nested, checkpointed", "double forward, nested, checkpointed, no reshard", "1f1b",
-    "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups", "frozen parameters", "clip_grad_norm_",
+    "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups",
+    "install after an explicit unshard", "frozen parameters", "clip_grad_norm_",
     "parameters unused on some steps",
     "zero-size parameter", "foreach_reduce wrapped without annotation",
 ]
@@ -659,6 +682,13 @@ def test_pipeline_style_microbatching(two_ranks, name):
 
 def test_explicit_prefetch_of_two_groups_gets_dedicated_landings(two_ranks):
     _assert_exact(two_ranks, "explicit prefetch of two groups", served=5)
+
+
+def test_install_after_an_explicit_unshard_keeps_pending_gradients(two_ranks):
+    # Groups that hold a gradient accumulated on stock collectives fall back when they would bind.
+    for mode, r in two_ranks["install after an explicit unshard"].items():
+        assert r["loss"] == 0.0 and r["grad"] == 0.0 and r["param"] == 0.0, (mode, r)
+        assert r["reasons"] and all("unreduced gradient" in why for why in r["reasons"].values()), r
 
 
 def test_frozen_parameters(two_ranks):

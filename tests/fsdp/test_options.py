@@ -24,7 +24,7 @@ def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
 
 @pytest.mark.parametrize("bad,message", [
     ({"sum_kernel": "fast"}, "sum_kernel='fast' is not supported; choose one of auto, tma, regs"),
-    ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl_rma"),
+    ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl, nccl_rma"),
     ({"local_copy": "dma"}, "local_copy='dma' is not supported; choose one of kernel, ce"),
     ({"copy_lanes": 0}, "copy_lanes=0 must be an integer >= 1"),
     ({"chunk_mib": 0}, "chunk_mib=0 must be > 0"),

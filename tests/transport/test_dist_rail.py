@@ -187,8 +187,9 @@ C, T, OK = (True, False), (False, True), (False, False)  # per rank: corrupt res
 # sees a corrupt result or its own timeout, whichever watchdog fires first: never a clean result.
 D = "corrupt or timeout"
 RAIL_FAULTS = {  # name: (M, L, collective, fault, faulty rank, slowed rank, calls before it stops, config, outcomes)
-    # the stopped rank's own call completed; everyone still waiting on it times out
-    "all-gather: a peer stops sending": (3, 1, "ag", None, 2, None, 1, {}, [T, T, OK]),
+    # the stopped rank's own call completed; everyone still waiting on it times out (the stopped
+    # rank does not fail-stop when its peers announce their failure: it is asleep, not in TIDE)
+    "all-gather: a peer stops sending": (3, 1, "ag", None, 2, None, 1, {"abort_on_stall": False}, [T, T, OK]),
     # a skipped exchange shifts the faulty rank's matching by one call: its later calls receive the
     # peer's earlier ones (corrupt) and the peer's last exchange is never matched (timeout)
     "all-gather: skip a round": (2, 1, "ag", SkipRailSignal(frozenset({2})), 0, None, None, {}, [C, T]),
@@ -199,7 +200,7 @@ RAIL_FAULTS = {  # name: (M, L, collective, fault, faulty rank, slowed rank, cal
     # calls 1 and 2 carry each other's epoch on rank 0: its call 1 waits for the stage credit its
     # call 2 would write (epoch 1), so it never issues its exchange, and neither rank completes
     "all-gather: reorder calls": (2, 1, "ag", ReorderCalls(1), 0, None, None, {}, [T, D]),
-    "reduce-scatter: a peer stops sending": (3, 1, "rs", None, 2, None, 1, {}, [T, T, OK]),
+    "reduce-scatter: a peer stops sending": (3, 1, "rs", None, 2, None, 1, {"abort_on_stall": False}, [T, T, OK]),
     "reduce-scatter: skip a round": (2, 1, "rs", SkipRailSignal(frozenset({2})), 0, None, None, {}, [C, T]),
     "reduce-scatter: drop inbox credits": (2, 2, "rs", DropRailCredits(2), 0, None, None, {}, [T, D, D, D]),
     # Inbox blocks reused within a call (5 x 2, W = 1: two generations) and read by a node peer:

@@ -44,7 +44,19 @@ class GroupEntry:
     shard_bytes: int
     dtype: str
     served: "TideGroup | None"
-    reason: str | None
+    install_reason: str | None  # why install left the group on stock collectives
+
+    @property
+    def active(self) -> bool:
+        """Served by TIDE now (a served group can hand itself back to stock collectives later)."""
+        return self.served is not None and self.served.fallback_reason is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why the group is on stock collectives now (None while TIDE serves it)."""
+        if self.served is not None:
+            return self.served.fallback_reason
+        return self.install_reason
 
 
 class TIDEHandle:
@@ -61,11 +73,11 @@ class TIDEHandle:
 
     @property
     def served_groups(self) -> list[TideGroup]:
-        return [e.served for e in self.entries if e.served is not None]
+        return [e.served for e in self.entries if e.active]
 
     @property
     def fallback_groups(self) -> list[GroupEntry]:
-        return [e for e in self.entries if e.served is None]
+        return [e for e in self.entries if not e.active]
 
     def stats(self) -> dict:
         """Cumulative counters over served groups (calls and bytes sent by this rank)."""
@@ -112,7 +124,7 @@ class TIDEHandle:
             lines += [f"  transport: {summary}"] + [f"    {line}" for line in details]
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
-            status = f"TIDE, {e.served.placement}" if e.served else f"stock: {e.reason}"
+            status = f"TIDE, {e.served.placement}" if e.active else f"stock: {e.reason}"
             lines.append(f"  {e.index:>3} {e.name[:32]:<32} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} {e.dtype:<9} {status}")
         mem = self.memory()
         lines.append(f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])}, "
@@ -232,7 +244,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     handle = TIDEHandle(model, config, internals, entries, transports, rings)
     ring_members: dict = {}
     for entry, (pg, topo, ring_ok) in zip(entries, plans):
-        if entry.reason is not None:
+        if entry.install_reason is not None:
             continue
         pg_dist = compat.shard_process_group(pg)
         key = (id(pg_dist), topo)
@@ -251,7 +263,7 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                         transport.close()
                     raise TIDEError(f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
                                     "collectives where the CUDA transport cannot serve)") from exc
-                entry.reason = f"transport unavailable: {exc}"
+                entry.install_reason = f"transport unavailable: {exc}"
                 continue
         group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
         if ring_ok:

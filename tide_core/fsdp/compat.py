@@ -349,6 +349,12 @@ def unmark_served(internals: FSDPInternals | None, param_group) -> None:
         param_group._all_gather_output_fn = internals.collectives_module._default_all_gather_output_fn
 
 
+def unsharded_grad_pending(fsdp_params) -> bool:
+    """Whether FSDP2 holds a gradient on an unsharded parameter it built over its own storage."""
+    return any(getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None
+               for fp in fsdp_params)
+
+
 def root_landings(fsdp_params, landings: list[torch.Tensor], on_free: Callable[[], None]) -> None:
     """Make each landing *the* all-gather output of its parameter: FSDP2's ``init_unsharded_param``
     builds the unsharded parameter over it, its allocation is a no-op and its free is ``on_free``
@@ -504,6 +510,9 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
     def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
                            all_gather_comm):
         served = served_group(fsdp_params)
+        if served is not None and served.stock_gradient_pending():
+            served.fall_back("an unreduced gradient from steps on stock collectives (installed after an unshard)")
+            served = None
         if served is None or served.fsdp_params != list(fsdp_params):
             return orig["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
                                               all_gather_stream, device, all_gather_comm)

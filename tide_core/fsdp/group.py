@@ -77,6 +77,7 @@ class TideGroup:
         self.segment: Segment | None = None
         self.slot: int | None = None  # ring slot index, or None for a dedicated segment
         self.live = False
+        self.fallback_reason: str | None = None  # set when the group was handed back to stock collectives
         self.stats = {"all_gathers": 0, "reduce_scatters": 0, "ag_bytes": 0, "rs_bytes": 0, "slot_sources": 0}
         self.pending_timings: dict[str, list] = {"ag": [], "rs": []}  # (start, end) CUDA events when profiling
         self._device_handle = getattr(torch, self.device.type)
@@ -122,6 +123,21 @@ class TideGroup:
         if self.slot is not None:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
+
+    def stock_gradient_pending(self) -> bool:
+        """Before the first TIDE all-gather: FSDP2 holds an unreduced gradient on an unsharded
+        parameter it built over its own storage (steps without gradient sync ran on stock
+        collectives, e.g. ``unshard()`` before the first forward). Binding would rebuild that
+        parameter over the landing and drop the gradient."""
+        return self.landings is None and compat.unsharded_grad_pending(self.fsdp_params)
+
+    def fall_back(self, reason: str) -> None:
+        """Hand the group to stock collectives for good (before it was ever bound); the install
+        report then lists it as on stock collectives with ``reason``."""
+        self.unbind()
+        compat.unmark_served(self.internals, self.pg)
+        self.fallback_reason = reason
+        log.warning("TIDE: group %s runs stock collectives from now on: %s", self.name, reason)
 
     def _gather_dropped(self) -> bool:
         """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited

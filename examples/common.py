@@ -12,12 +12,31 @@ from tide_core.fsdp.metrics import run_totals
 
 # Named Llama-architecture configs for random-init runs (no download). "tiny" is the CPU demo.
 CONFIGS = {
-    "tiny": dict(hidden_size=128, intermediate_size=344, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=2, vocab_size=256),
-    "small": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=12,
-                  num_key_value_heads=4, vocab_size=32000),
-    "llama3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=344,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+    ),
+    "small": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+    ),
+    "llama3.2-1b": dict(
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+    ),
 }
 
 
@@ -31,21 +50,37 @@ def add_common_args(parser: argparse.ArgumentParser, *, tide_from_launch: bool =
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     launch = " (None: the launch config's tide: section or the TIDE_* variables decide)" if tide_from_launch else ""
     parser.add_argument("--model-path", default=None, help="local Hugging Face Llama weights (config + safetensors)")
-    parser.add_argument("--model", default="tiny" if gpus == 0 else "small", choices=sorted(CONFIGS),
-                        help="named config for random init when --model-path is not given (tiny on CPU)")
-    parser.add_argument("--mode", default=None if tide_from_launch else "in_place", choices=("in_place", "slot_reuse"),
-                        help="TIDE's mode" + launch)
-    parser.add_argument("--transport", default=None if tide_from_launch else "auto",
-                        choices=("auto", "reference", "cuda"),
-                        help="TIDE's transport (auto: cuda on GPUs, reference on CPU)" + launch)
+    parser.add_argument(
+        "--model",
+        default="tiny" if gpus == 0 else "small",
+        choices=sorted(CONFIGS),
+        help="named config for random init when --model-path is not given (tiny on CPU)",
+    )
+    parser.add_argument(
+        "--mode",
+        default=None if tide_from_launch else "in_place",
+        choices=("in_place", "slot_reuse"),
+        help="TIDE's mode" + launch,
+    )
+    parser.add_argument(
+        "--transport",
+        default=None if tide_from_launch else "auto",
+        choices=("auto", "reference", "cuda"),
+        help="TIDE's transport (auto: cuda on GPUs, reference on CPU)" + launch,
+    )
     parser.add_argument("--steps", type=int, default=30, help="training steps per run")
-    parser.add_argument("--seq-len", type=int, default=128 if gpus == 0 else 1024,
-                        help="tokens per sequence (128 on CPU)")
+    parser.add_argument(
+        "--seq-len", type=int, default=128 if gpus == 0 else 1024, help="tokens per sequence (128 on CPU)"
+    )
     parser.add_argument("--batch-size", type=int, default=2, help="sequences per process per step")
     parser.add_argument("--lr", type=float, default=3e-4, help="AdamW learning rate")
     parser.add_argument("--devices", type=int, default=max(gpus, 2), help="processes (GPUs, or gloo processes on CPU)")
-    parser.add_argument("--precision", default="bf16" if gpus else "fp32", choices=("bf16", "fp32"),
-                        help="bf16: bf16 parameters with fp32 reduction (FSDP2 MixedPrecisionPolicy); fp32 on CPU")
+    parser.add_argument(
+        "--precision",
+        default="bf16" if gpus else "fp32",
+        choices=("bf16", "fp32"),
+        help="bf16: bf16 parameters with fp32 reduction (FSDP2 MixedPrecisionPolicy); fp32 on CPU",
+    )
     parser.add_argument("--compare-stock", action="store_true", help="run stock FSDP2 first, then TIDE, and compare")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
     return parser
@@ -57,8 +92,9 @@ def build_model(args) -> torch.nn.Module:
     if args.model_path:
         return LlamaForCausalLM.from_pretrained(args.model_path, torch_dtype=torch.float32)
     torch.manual_seed(args.seed)
-    config = LlamaConfig(max_position_embeddings=max(args.seq_len, 256), tie_word_embeddings=False,
-                         **CONFIGS[args.model])
+    config = LlamaConfig(
+        max_position_embeddings=max(args.seq_len, 256), tie_word_embeddings=False, **CONFIGS[args.model]
+    )
     return LlamaForCausalLM(config)
 
 
@@ -101,16 +137,24 @@ class Meter:
             self.steps += 1
         self.losses.append(loss)
         elapsed = now - self.start
-        return {"loss": loss, "tokens_per_s": self.tokens_per_step * self.steps / elapsed if elapsed > 0 else 0.0,
-                "peak_mem_gib": peak_memory_gib()}
+        return {
+            "loss": loss,
+            "tokens_per_s": self.tokens_per_step * self.steps / elapsed if elapsed > 0 else 0.0,
+            "peak_mem_gib": peak_memory_gib(),
+        }
 
     def summary(self, name: str, handle=None) -> dict:
         """The run's row; ``handle``: TIDE's install handle (None for stock FSDP2)."""
         elapsed = time.perf_counter() - self.start if self.start else 0.0
-        return {"run": name, "final_loss": self.losses[-1], "losses": list(self.losses),
-                "tokens_per_s": self.tokens_per_step * self.steps / elapsed if elapsed > 0 else 0.0,
-                "peak_mem_gib": peak_memory_gib(), "steps": len(self.losses),
-                "tide": run_totals(handle) if handle is not None else None}
+        return {
+            "run": name,
+            "final_loss": self.losses[-1],
+            "losses": list(self.losses),
+            "tokens_per_s": self.tokens_per_step * self.steps / elapsed if elapsed > 0 else 0.0,
+            "peak_mem_gib": peak_memory_gib(),
+            "steps": len(self.losses),
+            "tide": run_totals(handle) if handle is not None else None,
+        }
 
 
 def peak_memory_gib() -> float:
@@ -134,24 +178,33 @@ def comparison_table(rows: list[dict]) -> str:
     header = f"{'run':<12} {'steps':>5} {'final loss':>11} {'max |loss - stock|':>19}"
     lines = [header + (f" {'tokens/s':>11} {'peak mem GiB':>13}" if gpu else "")]
     for r in rows:
-        diff = "-" if stock is None or r is stock else \
-            f"{max(abs(a - b) for a, b in zip(r['losses'], stock['losses'])):.1e}"
+        diff = (
+            "-"
+            if stock is None or r is stock
+            else f"{max(abs(a - b) for a, b in zip(r['losses'], stock['losses'])):.1e}"
+        )
         line = f"{r['run']:<12} {r['steps']:>5} {r['final_loss']:>11.4f} {diff:>19}"
         lines.append(line + (f" {r['tokens_per_s']:>11.0f} {r['peak_mem_gib']:>13.2f}" if gpu else ""))
     for r in rows:
         t = r["tide"]
         if t is not None:
-            lines.append(f"{r['run']} on rank 0: all-gathers sent {t['ag_gb']:.3f} GB, "
-                         f"reduce-scatters {t['rs_gb']:.3f} GB; "
-                         f"layout copies avoided: {t['copy_outs_avoided']} all-gather copy-outs "
-                         f"({t['copy_out_gb_avoided']:.3f} GB) and {t['packings_avoided']} reduce-scatter packings")
+            lines.append(
+                f"{r['run']} on rank 0: all-gathers sent {t['ag_gb']:.3f} GB, "
+                f"reduce-scatters {t['rs_gb']:.3f} GB; "
+                f"layout copies avoided: {t['copy_outs_avoided']} all-gather copy-outs "
+                f"({t['copy_out_gb_avoided']:.3f} GB) and {t['packings_avoided']} reduce-scatter packings"
+            )
     if gpu and stock is not None and len(rows) == 2 and stock["tokens_per_s"]:
         tide = rows[1] if rows[0] is stock else rows[0]
-        lines.append(f"TIDE vs stock: {100 * (tide['tokens_per_s'] / stock['tokens_per_s'] - 1):+.1f}% tokens/s, "
-                     f"{tide['peak_mem_gib'] - stock['peak_mem_gib']:+.2f} GiB peak memory")
+        lines.append(
+            f"TIDE vs stock: {100 * (tide['tokens_per_s'] / stock['tokens_per_s'] - 1):+.1f}% tokens/s, "
+            f"{tide['peak_mem_gib'] - stock['peak_mem_gib']:+.2f} GiB peak memory"
+        )
     elif not gpu:
-        lines.append("Speed is not compared on CPU: there TIDE runs its reference transport over gloo (the "
-                     "correctness path); its speed-ups come from the CUDA transport on GPUs.")
+        lines.append(
+            "Speed is not compared on CPU: there TIDE runs its reference transport over gloo (the "
+            "correctness path); its speed-ups come from the CUDA transport on GPUs."
+        )
     return "\n".join(lines)
 
 

@@ -26,8 +26,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm.auto import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (HelpFormatter, Meter, add_common_args, batch_iterator, build_model,  # noqa: E402
-                    comparison_table, encode_corpus)
+from common import (
+    HelpFormatter,
+    Meter,
+    add_common_args,
+    batch_iterator,
+    build_model,  # noqa: E402
+    comparison_table,
+    encode_corpus,
+)
 
 import tide_accelerate  # noqa: E402
 from tide_core.fsdp.adapter import get_handle  # noqa: E402
@@ -36,8 +43,11 @@ from tide_core.fsdp.adapter import get_handle  # noqa: E402
 def make_accelerator(args) -> Accelerator:
     bf16 = args.precision == "bf16"
     # bf16 parameters with an fp32 gradient reduction (Accelerate's own bf16 policy reduces in bf16).
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
-                                  output_dtype=torch.bfloat16) if bf16 else None
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, output_dtype=torch.bfloat16)
+        if bf16
+        else None
+    )
     # Fields not given here fall back to the launch config's fsdp_config (FSDP_* variables).
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
     accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", fsdp_plugin=plugin)
@@ -45,7 +55,8 @@ def make_accelerator(args) -> Accelerator:
         raise SystemExit(
             f"this example needs FSDP2, but Accelerate chose {accelerator.distributed_type} on "
             f"{accelerator.num_processes} process(es): launch it with several processes (on a CPU-only "
-            "machine through tide-accelerate launch, since Accelerate alone never runs FSDP on CPU)")
+            "machine through tide-accelerate launch, since Accelerate alone never runs FSDP on CPU)"
+        )
     return accelerator
 
 
@@ -70,14 +81,17 @@ def train(args, accelerator: Accelerator, tokens: torch.Tensor, *, stock: bool) 
         metrics = meter.step(accelerator.reduce(loss.detach(), reduction="mean").item())
         progress.set_postfix(loss=f"{metrics['loss']:.4f}", tokens_per_s=f"{metrics['tokens_per_s']:.0f}")
         if accelerator.is_main_process and (step % args.log_every == 0 or step == args.steps):
-            progress.write(f"{name} step {step}/{args.steps}: loss {metrics['loss']:.6f}, "
-                           f"{metrics['tokens_per_s']:.0f} tokens/s, peak memory {metrics['peak_mem_gib']:.2f} GiB")
+            progress.write(
+                f"{name} step {step}/{args.steps}: loss {metrics['loss']:.6f}, "
+                f"{metrics['tokens_per_s']:.0f} tokens/s, peak memory {metrics['peak_mem_gib']:.2f} GiB"
+            )
     return meter.summary(name, get_handle(model))
 
 
 def main(argv=None) -> int:
-    parser = add_common_args(argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter),
-                             tide_from_launch=True)
+    parser = add_common_args(
+        argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter), tide_from_launch=True
+    )
     parser.add_argument("--log-every", type=int, default=10, help="print loss, tokens/s and memory every N steps")
     args = parser.parse_args(argv)
 
@@ -86,10 +100,12 @@ def main(argv=None) -> int:
         tide_accelerate.enable(tide_accelerate.TIDEPlugin(mode=args.mode, transport=args.transport))
     accelerator = make_accelerator(args)
     tokens = encode_corpus(args)
-    accelerator.print(f"Accelerate {accelerator.distributed_type.value} (FSDP2) on {accelerator.num_processes} "
-                      f"{accelerator.device.type} process(es), mixed precision {accelerator.mixed_precision}, "
-                      f"model {args.model_path or args.model}, {args.steps} steps of "
-                      f"{args.batch_size}x{args.seq_len} tokens per process")
+    accelerator.print(
+        f"Accelerate {accelerator.distributed_type.value} (FSDP2) on {accelerator.num_processes} "
+        f"{accelerator.device.type} process(es), mixed precision {accelerator.mixed_precision}, "
+        f"model {args.model_path or args.model}, {args.steps} steps of "
+        f"{args.batch_size}x{args.seq_len} tokens per process"
+    )
     rows = []
     for stock in [True, False] if args.compare_stock else [False]:
         rows.append(train(args, accelerator, tokens, stock=stock))

@@ -18,10 +18,16 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (HelpFormatter, Meter, add_common_args, batch_iterator, build_model,  # noqa: E402
-                    comparison_table, encode_corpus)
-
 import lightning as L  # noqa: E402
+from common import (
+    HelpFormatter,
+    Meter,
+    add_common_args,
+    batch_iterator,
+    build_model,  # noqa: E402
+    comparison_table,
+    encode_corpus,
+)
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
 
@@ -52,13 +58,18 @@ class CausalLM(L.LightningModule):
             return
         self.model = build_model(self.args)
         bf16 = self.args.precision == "bf16"
-        shard_model(self.model, self.device_mesh["data_parallel"], param_dtype=torch.bfloat16 if bf16 else None,
-                    reduce_dtype=torch.float32 if bf16 else None)
+        shard_model(
+            self.model,
+            self.device_mesh["data_parallel"],
+            param_dtype=torch.bfloat16 if bf16 else None,
+            reduce_dtype=torch.float32 if bf16 else None,
+        )
 
     def train_dataloader(self):
         tokens = encode_corpus(self.args)
-        data = TokenStream(tokens, self.args.seq_len, self.args.batch_size, self.args.seed, self.global_rank,
-                           self.args.steps)
+        data = TokenStream(
+            tokens, self.args.seq_len, self.args.batch_size, self.args.seed, self.global_rank, self.args.steps
+        )
         return torch.utils.data.DataLoader(data, batch_size=None)
 
     def on_train_start(self):
@@ -78,9 +89,17 @@ class CausalLM(L.LightningModule):
 def run(args, strategy, name: str) -> dict:
     L.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
-    trainer = L.Trainer(accelerator=accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
-                        logger=CSVLogger(args.log_dir, name=name), enable_checkpointing=False,
-                        enable_model_summary=False, log_every_n_steps=1, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=CSVLogger(args.log_dir, name=name),
+        enable_checkpointing=False,
+        enable_model_summary=False,
+        log_every_n_steps=1,
+        use_distributed_sampler=False,
+    )
     module = CausalLM(args)
     trainer.fit(module)
     if args.save_checkpoint and name == "tide":

@@ -5,6 +5,7 @@
 A call's host enqueue time is the sum of these (docs/design.md, "What bounds performance"); from idle it sits
 on the critical path, which is why a call's first copy batch is kept short (FIRST_BATCH_COPIES).
 """
+
 import statistics
 import time
 
@@ -41,7 +42,11 @@ def cost(name, fn, n=200):
 
 
 def peer(k, size=1 << 16):
-    return ([dst_peer.data_ptr() + i * size for i in range(k)], [src.data_ptr() + i * size for i in range(k)], [size] * k)
+    return (
+        [dst_peer.data_ptr() + i * size for i in range(k)],
+        [src.data_ptr() + i * size for i in range(k)],
+        [size] * k,
+    )
 
 
 cost("cudaEventRecord", lambda: ev.record(s))
@@ -49,9 +54,18 @@ cost("cudaStreamWaitEvent", lambda: s.wait_event(ev))
 cost("cuStreamBatchMemOp write 1", lambda: lib.stream_write_u32(h, [flag.data_ptr()], 0))
 cost("cuStreamBatchMemOp write 3", lambda: lib.stream_write_u32(h, [flag.data_ptr() + 64 * i for i in range(3)], 0))
 cost("cuStreamBatchMemOp wait 1 (satisfied)", lambda: lib.stream_wait_u32(h, [flag.data_ptr()], 0))
-cost("copy kernel launch (1 segment)", lambda: lib.copy_kernel([dst_local.data_ptr()], [src.data_ptr()], [1 << 16], 16, h))
-cost("sum launch regs", lambda: lib.launch_sum(out.data_ptr(), [src.data_ptr()], segments, 0, 1 << 20, 1.0, False, 0, 16, h, 1))
-cost("sum launch tma (plan included)", lambda: lib.launch_sum(out.data_ptr(), [src.data_ptr()], segments, 0, 1 << 20, 1.0, False, 0, 16, h, 2))
+cost(
+    "copy kernel launch (1 segment)",
+    lambda: lib.copy_kernel([dst_local.data_ptr()], [src.data_ptr()], [1 << 16], 16, h),
+)
+cost(
+    "sum launch regs",
+    lambda: lib.launch_sum(out.data_ptr(), [src.data_ptr()], segments, 0, 1 << 20, 1.0, False, 0, 16, h, 1),
+)
+cost(
+    "sum launch tma (plan included)",
+    lambda: lib.launch_sum(out.data_ptr(), [src.data_ptr()], segments, 0, 1 << 20, 1.0, False, 0, 16, h, 2),
+)
 for k in (1, 8, 15, 30):
     cost(f"cudaMemcpyBatchAsync {k:2d} P2P descriptors", lambda k=k: lib.memcpy_batch(*peer(k), h, True))
 cost("cudaMemcpyBatchAsync 15 P2P, no overlap flag", lambda: lib.memcpy_batch(*peer(15), h, False))

@@ -21,7 +21,18 @@ out = torch.empty(n, device="cuda")
 src = torch.randn(n, device="cuda")
 stream = torch.cuda.current_stream().cuda_stream
 for _ in range(2):
-    lib.launch_sum(out.data_ptr(), [s.data_ptr() for s in staged], segments, 0, n, 0.5, False, 0, 16, stream,
-                   lib.SUM_KERNELS["tma"])
+    lib.launch_sum(
+        out.data_ptr(),
+        [s.data_ptr() for s in staged],
+        segments,
+        0,
+        n,
+        0.5,
+        False,
+        0,
+        16,
+        stream,
+        lib.SUM_KERNELS["tma"],
+    )
     lib.copy_kernel([out.data_ptr()], [src.data_ptr()], [4 * n], 16, stream)
 torch.cuda.synchronize()

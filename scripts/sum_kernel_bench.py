@@ -52,26 +52,56 @@ def main(path: str) -> None:
     for ctas in (16, 32, 64):
         seconds = time_launch(lambda: lib.copy_kernel([dst.data_ptr()], [src.data_ptr()], [4 * n], ctas, stream))
         moved = 8 * n
-        row = {"kernel": "copy", "staged": None, "ctas": ctas, "us": seconds * 1e6, "GB_per_s": moved / seconds / 1e9,
-               "GB_per_s_per_cta": moved / seconds / 1e9 / ctas}
+        row = {
+            "kernel": "copy",
+            "staged": None,
+            "ctas": ctas,
+            "us": seconds * 1e6,
+            "GB_per_s": moved / seconds / 1e9,
+            "GB_per_s_per_cta": moved / seconds / 1e9 / ctas,
+        }
         results.append(row)
-        print(f"copy  (same bytes as staged=1) ctas={ctas:3d}: {row['us']:8.1f} us  {row['GB_per_s']:7.1f} GB/s  "
-              f"{row['GB_per_s_per_cta']:6.1f} GB/s per CTA", flush=True)
+        print(
+            f"copy  (same bytes as staged=1) ctas={ctas:3d}: {row['us']:8.1f} us  {row['GB_per_s']:7.1f} GB/s  "
+            f"{row['GB_per_s_per_cta']:6.1f} GB/s per CTA",
+            flush=True,
+        )
     for ns in (1, 3):
         staged = [torch.randn(n, device="cuda").to(torch.bfloat16) for _ in range(ns)]
         for ctas in (16, 32, 64):
             for kernel in ("regs", "tma"):
+
                 def launch():
-                    lib.launch_sum(out.data_ptr(), [s.data_ptr() for s in staged], segments, 0, n, 0.5, False, 0,
-                                   ctas, stream, lib.SUM_KERNELS[kernel])
+                    lib.launch_sum(
+                        out.data_ptr(),
+                        [s.data_ptr() for s in staged],
+                        segments,
+                        0,
+                        n,
+                        0.5,
+                        False,
+                        0,
+                        ctas,
+                        stream,
+                        lib.SUM_KERNELS[kernel],
+                    )
 
                 seconds = time_launch(launch)
                 moved = n * (2 * (ns + 1) + 4)
-                row = {"kernel": kernel, "staged": ns, "ctas": ctas, "us": seconds * 1e6,
-                       "GB_per_s": moved / seconds / 1e9, "GB_per_s_per_cta": moved / seconds / 1e9 / ctas}
+                row = {
+                    "kernel": kernel,
+                    "staged": ns,
+                    "ctas": ctas,
+                    "us": seconds * 1e6,
+                    "GB_per_s": moved / seconds / 1e9,
+                    "GB_per_s_per_cta": moved / seconds / 1e9 / ctas,
+                }
                 results.append(row)
-                print(f"{kernel:5s} staged={ns} ctas={ctas:3d}: {row['us']:8.1f} us  {row['GB_per_s']:7.1f} GB/s  "
-                      f"{row['GB_per_s_per_cta']:6.1f} GB/s per CTA", flush=True)
+                print(
+                    f"{kernel:5s} staged={ns} ctas={ctas:3d}: {row['us']:8.1f} us  {row['GB_per_s']:7.1f} GB/s  "
+                    f"{row['GB_per_s_per_cta']:6.1f} GB/s per CTA",
+                    flush=True,
+                )
     with open(path, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "chunk_bytes": CHUNK_BYTES, "results": results}, f, indent=1)
 

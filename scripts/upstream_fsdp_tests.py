@@ -29,7 +29,7 @@ import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-PATCH = '''
+PATCH = """
 import json, os
 from torch.distributed.fsdp._fully_shard import _fsdp_state
 
@@ -56,7 +56,7 @@ def _lazy_init_then_install(self, *args, **kwargs):
 
 if _MODE != "stock":
     _fsdp_state.FSDPState._lazy_init = _lazy_init_then_install
-'''
+"""
 
 
 def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
@@ -67,7 +67,8 @@ def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
         f"import {module} as upstream",
         "from torch.testing._internal.common_fsdp import FSDPTest, FSDPTestMixin",
         "for _name, _cls in list(vars(upstream).items()):",
-        "    if isinstance(_cls, type) and issubclass(_cls, unittest.TestCase) and _cls.__module__ == upstream.__name__:",
+        "    if (isinstance(_cls, type) and issubclass(_cls, unittest.TestCase)\n"
+        "            and _cls.__module__ == upstream.__name__):",
         "        _extra = {'__module__': __name__}",
         "        if issubclass(_cls, FSDPTest):  # torch 2.13's FSDPTest._run skips CPU runs; the mixin's does not",
         "            _extra['_run'] = FSDPTestMixin.__dict__['_run']",

@@ -15,14 +15,21 @@ def fresh_warnings(monkeypatch):
     monkeypatch.setattr(config_module, "_warned_env_vars", set())
 
 
-@pytest.mark.parametrize("env, message", [
-    ({"TIDE_MODE": "bogus"},
-     "environment variable TIDE_MODE='bogus': mode='bogus' is not supported; choose one of in_place, slot_reuse"),
-    ({"TIDE_TRANSPORT": "nvshmem", "TIDE_MAX_PARAMS": "8"},
-     "environment variable TIDE_TRANSPORT='nvshmem': transport='nvshmem' is not supported"),
-    ({"TIDE_MAX_PARAMS": "0"}, "environment variable TIDE_MAX_PARAMS='0': max_params=0 must be an integer >= 1"),
-    ({"TIDE_TIMEOUT_S": "soon"}, "environment variable TIDE_TIMEOUT_S='soon' cannot be parsed as float"),
-])
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        (
+            {"TIDE_MODE": "bogus"},
+            "environment variable TIDE_MODE='bogus': mode='bogus' is not supported; choose one of in_place, slot_reuse",
+        ),
+        (
+            {"TIDE_TRANSPORT": "nvshmem", "TIDE_MAX_PARAMS": "8"},
+            "environment variable TIDE_TRANSPORT='nvshmem': transport='nvshmem' is not supported",
+        ),
+        ({"TIDE_MAX_PARAMS": "0"}, "environment variable TIDE_MAX_PARAMS='0': max_params=0 must be an integer >= 1"),
+        ({"TIDE_TIMEOUT_S": "soon"}, "environment variable TIDE_TIMEOUT_S='soon' cannot be parsed as float"),
+    ],
+)
 def test_a_bad_value_names_its_variable(env, message):
     with pytest.raises(ValueError) as info:
         TIDEConfig.from_env(environ=env)
@@ -65,8 +72,13 @@ def test_an_unrelated_tide_variable_lists_what_tide_reads():
 
 
 def test_known_variables_do_not_warn():
-    env = {"TIDE_MODE": "in_place", "TIDE_NO_CUDA": "1", "TIDE_CUDA_ARCHS": "90", "TIDE_TRAIN_ARGS": "--steps 3",
-           "OTHER_VARIABLE": "x"}
+    env = {
+        "TIDE_MODE": "in_place",
+        "TIDE_NO_CUDA": "1",
+        "TIDE_CUDA_ARCHS": "90",
+        "TIDE_TRAIN_ARGS": "--steps 3",
+        "OTHER_VARIABLE": "x",
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TIDEConfig.from_env(environ=env)

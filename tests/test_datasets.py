@@ -20,10 +20,18 @@ def test_a_module_named_like_the_stdlib_in_the_working_directory_is_not_run(tmp_
     # and `python script.py` put it there) would run this file.
     marker = tmp_path / "ran"
     (tmp_path / "colorsys.py").write_text(f'"""{PLANTED_DOC}"""\nopen({str(marker)!r}, "w").close()\n')
-    code = ("import sys; from tide_core.datasets import corpus_text; text = corpus_text(); "
-            f"print(len(text), {PLANTED_DOC!r} in text, 'colorsys' in sys.modules)")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    code = (
+        "import sys; from tide_core.datasets import corpus_text; text = corpus_text(); "
+        f"print(len(text), {PLANTED_DOC!r} in text, 'colorsys' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     size, planted_text, imported = proc.stdout.split()
     assert not marker.exists(), "the planted colorsys.py was executed"
@@ -34,8 +42,11 @@ def test_corpus_holds_the_stdlib_docstrings_in_module_order():
     text = corpus_text()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     json_doc = ast.get_docstring(ast.parse((stdlib / "json" / "__init__.py").read_text(encoding="utf-8")))
-    dumps_doc = next(ast.get_docstring(n) for n in ast.parse((stdlib / "json" / "__init__.py").read_text(
-        encoding="utf-8")).body if isinstance(n, ast.FunctionDef) and n.name == "dumps")
+    dumps_doc = next(
+        ast.get_docstring(n)
+        for n in ast.parse((stdlib / "json" / "__init__.py").read_text(encoding="utf-8")).body
+        if isinstance(n, ast.FunctionDef) and n.name == "dumps"
+    )
     colorsys_doc = ast.get_docstring(ast.parse((stdlib / "colorsys.py").read_text(encoding="utf-8")))
     assert len(json_doc) > 200 and len(dumps_doc) > 200 and len(colorsys_doc) > 200
     # Modules in sorted order; in a module its docstring first, then its public definitions by name.

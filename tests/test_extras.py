@@ -19,21 +19,27 @@ def test_tide_lightning_without_lightning_names_the_extra():
     proc = python("import sys; sys.modules['lightning'] = None; import tide_lightning")
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]
-    assert last == (f"tide_core.extras.MissingExtraError: tide_lightning needs lightning, which is not installed; "
-                    f"install TIDE's 'lightning' extra: pip install -e '{ROOT}[lightning]'"), proc.stderr
+    assert last == (
+        f"tide_core.extras.MissingExtraError: tide_lightning needs lightning, which is not installed; "
+        f"install TIDE's 'lightning' extra: pip install -e '{ROOT}[lightning]'"
+    ), proc.stderr
 
 
 def test_tide_accelerate_without_accelerate_names_the_extra():
-    code = ("import sys; sys.modules['accelerate'] = None\n"
-            "import tide_accelerate\n"  # importable: the command below must be able to say what is missing
-            "try:\n"
-            "    from tide_accelerate import TIDEAccelerator\n"
-            "except ModuleNotFoundError as exc:\n"
-            "    print(type(exc).__name__, exc)\n"
-            "sys.exit(tide_accelerate.main(['launch', 'train.py']))\n")
+    code = (
+        "import sys; sys.modules['accelerate'] = None\n"
+        "import tide_accelerate\n"  # importable: the command below must be able to say what is missing
+        "try:\n"
+        "    from tide_accelerate import TIDEAccelerator\n"
+        "except ModuleNotFoundError as exc:\n"
+        "    print(type(exc).__name__, exc)\n"
+        "sys.exit(tide_accelerate.main(['launch', 'train.py']))\n"
+    )
     proc = python(code)
-    message = ("needs accelerate, which is not installed; install TIDE's 'accelerate' extra: "
-               f"pip install -e '{ROOT}[accelerate]'")
+    message = (
+        "needs accelerate, which is not installed; install TIDE's 'accelerate' extra: "
+        f"pip install -e '{ROOT}[accelerate]'"
+    )
     assert proc.stdout == f"MissingExtraError tide_accelerate {message}\n", proc.stdout + proc.stderr
     # The tide-accelerate command: one line, no traceback, exit status 2.
     assert proc.returncode == 2 and proc.stderr == f"tide-accelerate: error: tide-accelerate {message}\n"

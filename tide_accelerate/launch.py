@@ -121,16 +121,21 @@ def read_config(path: str) -> tuple[dict, dict]:
     allowed = [f.name for f in fields(TIDEConfig)]
     for key in tide:
         if key not in allowed:
-            raise ValueError(f"{path}: unknown key {key!r} in the tide: section{_did_you_mean(key, allowed)}; "
-                             f"allowed: {', '.join(allowed)}")
+            raise ValueError(
+                f"{path}: unknown key {key!r} in the tide: section{_did_you_mean(key, allowed)}; "
+                f"allowed: {', '.join(allowed)}"
+            )
     # Checked here, against the user's file: accelerate launch would name the temporary copy.
-    config_class = ClusterConfig if config.get("compute_environment", "LOCAL_MACHINE") == "LOCAL_MACHINE" \
-        else SageMakerConfig
+    config_class = (
+        ClusterConfig if config.get("compute_environment", "LOCAL_MACHINE") == "LOCAL_MACHINE" else SageMakerConfig
+    )
     known = [*config_class.__dataclass_fields__, "fp16", "dynamo_backend"]  # the last two: older spellings
     for key in config:
         if key not in known:
-            raise ValueError(f"{path}: unknown top-level key {key!r}{_did_you_mean(key, [*known, 'tide'])}; "
-                             "Accelerate's config keys and TIDE's tide: section are allowed")
+            raise ValueError(
+                f"{path}: unknown top-level key {key!r}{_did_you_mean(key, [*known, 'tide'])}; "
+                "Accelerate's config keys and TIDE's tide: section are allowed"
+            )
     return config, tide
 
 
@@ -194,5 +199,8 @@ def _without_config_file(options: list[str]) -> list[str]:
 def _warn_unless_fsdp2(config: dict, path: str) -> None:
     version = (config.get("fsdp_config") or {}).get("fsdp_version")
     if config.get("distributed_type") != "FSDP" or str(version) != "2":
-        print(f"tide-accelerate: warning: {path} does not ask for FSDP2 (distributed_type: FSDP and "
-              f"fsdp_config.fsdp_version: 2), and TIDE serves FSDP2 only", file=sys.stderr)
+        print(
+            f"tide-accelerate: warning: {path} does not ask for FSDP2 (distributed_type: FSDP and "
+            f"fsdp_config.fsdp_version: 2), and TIDE serves FSDP2 only",
+            file=sys.stderr,
+        )

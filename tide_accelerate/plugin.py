@@ -29,9 +29,9 @@ import accelerate
 import accelerate.accelerator as accelerator_module
 import torch
 import torch.nn as nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
 from accelerate import Accelerator
 from packaging.version import Version
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import tide_core
 from tide_core.config import TIDEConfig
@@ -40,7 +40,7 @@ from tide_core.fsdp.metrics import StepMetrics
 
 MIN_ACCELERATE = "1.15"
 
-_active_plugin: "TIDEPlugin | None" = None  # set by enable(); what fsdp2_prepare_model installs with
+_active_plugin: TIDEPlugin | None = None  # set by enable(); what fsdp2_prepare_model installs with
 _disabled_depth = 0  # > 0 inside disabled()
 
 
@@ -73,8 +73,11 @@ def enable(plugin: TIDEPlugin | None = None) -> TIDEPlugin:
     global _active_plugin
     _check_accelerate()
     _patch_accelerator_state()
-    if (os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true" and os.environ.get("FSDP_VERSION") == "2"
-            and not torch.accelerator.is_available()):
+    if (
+        os.environ.get("ACCELERATE_USE_FSDP", "").lower() == "true"
+        and os.environ.get("FSDP_VERSION") == "2"
+        and not torch.accelerator.is_available()
+    ):
         # An FSDP2 launch on a machine with no GPU: the HF Trainer (TrainingArguments) creates
         # PartialState before any Accelerator, with cpu=True only if this is set.
         os.environ.setdefault("ACCELERATE_USE_CPU", "true")
@@ -124,7 +127,8 @@ class TIDEAccelerator(Accelerator):
 
             get_logger(__name__).warning(
                 f"TIDEAccelerator: Accelerate is not using FSDP2 (distributed_type={self.distributed_type}), so "
-                "TIDE is not installed; launch with an FSDP config with fsdp_version: 2")
+                "TIDE is not installed; launch with an FSDP config with fsdp_version: 2"
+            )
 
     def prepare(self, *args, device_placement=None):
         result = super().prepare(*args, device_placement=device_placement)
@@ -176,11 +180,13 @@ class _TrackerMetrics:
 
 
 def _check_accelerate() -> None:
-    if Version(accelerate.__version__) < Version(MIN_ACCELERATE) or not hasattr(accelerator_module,
-                                                                                  "fsdp2_prepare_model"):
+    if Version(accelerate.__version__) < Version(MIN_ACCELERATE) or not hasattr(
+        accelerator_module, "fsdp2_prepare_model"
+    ):
         raise ImportError(
             f"tide_accelerate needs accelerate >= {MIN_ACCELERATE} (where Accelerator.prepare shards through "
-            f"accelerate.accelerator.fsdp2_prepare_model); found accelerate {accelerate.__version__}")
+            f"accelerate.accelerator.fsdp2_prepare_model); found accelerate {accelerate.__version__}"
+        )
 
 
 def _patch_accelerator_state() -> None:
@@ -231,9 +237,11 @@ def _force_fsdp(state, fsdp_plugin) -> None:
             fsdp_plugin.set_mixed_precision(state.mixed_precision)
         get_logger(__name__).warning(
             "tide_accelerate: FSDP2 runs on CPU over gloo (Accelerate alone would fall back to DDP or to "
-            "independent processes here)")
+            "independent processes here)"
+        )
     elif state.distributed_type == DistributedType.NO and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError(
             "tide_accelerate: this FSDP2 launch would run every process alone because Accelerate's "
             "PartialState was created before the Accelerator without cpu=True; create the Accelerator first, "
-            "or pass cpu=True (TrainingArguments(use_cpu=True) for the HF Trainer)")
+            "or pass cpu=True (TrainingArguments(use_cpu=True) for the HF Trainer)"
+        )

@@ -15,8 +15,18 @@ from typing import Any
 MODES = ("in_place", "slot_reuse")
 #: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
 #: (setup_env, gpu).
-OTHER_ENV_VARS = ("TIDE_NO_CUDA", "TIDE_CUDA_ARCHS", "TIDE_SETUP_FORCE", "TIDE_GPU_OUT", "TIDE_AG_ARGS", "TIDE_RS_ARGS",
-                  "TIDE_AG_SWEEP", "TIDE_RS_SWEEP", "TIDE_INTERFERENCE_ARGS", "TIDE_TRAIN_ARGS")
+OTHER_ENV_VARS = (
+    "TIDE_NO_CUDA",
+    "TIDE_CUDA_ARCHS",
+    "TIDE_SETUP_FORCE",
+    "TIDE_GPU_OUT",
+    "TIDE_AG_ARGS",
+    "TIDE_RS_ARGS",
+    "TIDE_AG_SWEEP",
+    "TIDE_RS_SWEEP",
+    "TIDE_INTERFERENCE_ARGS",
+    "TIDE_TRAIN_ARGS",
+)
 _warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about in this process
 
 
@@ -94,7 +104,7 @@ class TIDEConfig:
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> "TIDEConfig":
+    def validate(self) -> TIDEConfig:
         from tide_core.fsdp.options import cuda_options
         from tide_core.transport import TRANSPORTS
 
@@ -110,7 +120,7 @@ class TIDEConfig:
         return self
 
     @classmethod
-    def from_env(cls, base: "TIDEConfig | None" = None, environ=None, **overrides: Any) -> "TIDEConfig":
+    def from_env(cls, base: TIDEConfig | None = None, environ=None, **overrides: Any) -> TIDEConfig:
         """``overrides`` that are not None, else ``base`` if given (an explicit config is used as is),
         else the ``TIDE_*`` variables, else the defaults."""
         environ = os.environ if environ is None else environ

@@ -15,8 +15,11 @@ def require_extra(extra: str, modules: list[str], user: str) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         verb = "is" if len(missing) == 1 else "are"
-        raise MissingExtraError(f"{user} needs {', '.join(missing)}, which {verb} not installed; install TIDE's "
-                                f"'{extra}' extra: {install_command(extra)}", name=missing[0])
+        raise MissingExtraError(
+            f"{user} needs {', '.join(missing)}, which {verb} not installed; install TIDE's "
+            f"'{extra}' extra: {install_command(extra)}",
+            name=missing[0],
+        )
 
 
 def install_command(extra: str) -> str:

@@ -7,8 +7,8 @@ tide_lightning); ``fabric.setup(model)`` shards each transformer block and the r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
@@ -36,14 +36,26 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         timeout: timedelta | None = DEFAULT_TIMEOUT,
         **tide_options,
     ) -> None:
-        self.tide = TIDEOptions(mode=mode, transport=transport, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                activation_checkpointing=activation_checkpointing, block_classes=block_classes,
-                                reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
-                                tide_options=tide_options)
+        self.tide = TIDEOptions(
+            mode=mode,
+            transport=transport,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            activation_checkpointing=activation_checkpointing,
+            block_classes=block_classes,
+            reshard_after_forward=reshard_after_forward,
+            tensor_parallel_size=tensor_parallel_size,
+            tide_options=tide_options,
+        )
         self._user_parallelize_fn = parallelize_fn
-        super().__init__(parallelize_fn=self._parallelize, data_parallel_size=data_parallel_size,
-                         tensor_parallel_size=1, save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        super().__init__(
+            parallelize_fn=self._parallelize,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self.tide_handle = None
 
     def _parallelize(self, module, mesh):

@@ -49,20 +49,31 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         strategy shards the model itself; tide_options: any other TIDEConfig field."""
         if log_metrics and "profile" not in tide_options:
             tide_options["profile"] = True  # CUDA event timings of each collective for the metrics
-        self.tide = TIDEOptions(mode=mode, transport=transport, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                                activation_checkpointing=activation_checkpointing, block_classes=block_classes,
-                                reshard_after_forward=reshard_after_forward, tensor_parallel_size=tensor_parallel_size,
-                                tide_options=tide_options)
-        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=1,
-                         save_distributed_checkpoint=save_distributed_checkpoint,
-                         process_group_backend=process_group_backend, timeout=timeout)
+        self.tide = TIDEOptions(
+            mode=mode,
+            transport=transport,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            activation_checkpointing=activation_checkpointing,
+            block_classes=block_classes,
+            reshard_after_forward=reshard_after_forward,
+            tensor_parallel_size=tensor_parallel_size,
+            tide_options=tide_options,
+        )
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
         self.log_metrics = log_metrics
         self.tide_handle = None
 
     def setup(self, trainer) -> None:
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
         from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)

@@ -45,9 +45,18 @@ def build(arch: str) -> torch.nn.Module:
     if arch == "qwen2":
         from transformers import Qwen2Config, Qwen2ForCausalLM
 
-        return Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                                            num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                            max_position_embeddings=64, tie_word_embeddings=False))
+        return Qwen2ForCausalLM(
+            Qwen2Config(
+                hidden_size=64,
+                intermediate_size=96,
+                num_hidden_layers=3,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                vocab_size=97,
+                max_position_embeddings=64,
+                tie_word_embeddings=False,
+            )
+        )
     raise SystemExit(f"unknown arch {arch!r}")
 
 
@@ -68,11 +77,17 @@ def main(arch: str, out_dir: str, steps: int = 3) -> None:
         losses.append(loss.item())
     handle = get_handle(model)
     # fully_shard swaps each sharded module's class for a subclass (FSDPGPT2Block): look at the bases.
-    blocks = [name for name, m in model.named_modules()
-              if any(c.__name__ in model._no_split_modules for c in type(m).__mro__)]
-    result = {"served": [g.name for g in handle.served_groups], "groups": [e.name for e in handle.entries],
-              "blocks": blocks,
-              "stats": handle.stats(), "losses": losses, "distributed_type": accelerator.distributed_type.value}
+    blocks = [
+        name for name, m in model.named_modules() if any(c.__name__ in model._no_split_modules for c in type(m).__mro__)
+    ]
+    result = {
+        "served": [g.name for g in handle.served_groups],
+        "groups": [e.name for e in handle.entries],
+        "blocks": blocks,
+        "stats": handle.stats(),
+        "losses": losses,
+        "distributed_type": accelerator.distributed_type.value,
+    }
     with open(os.path.join(out_dir, f"rank{accelerator.process_index}.json"), "w") as f:
         json.dump(result, f)
     accelerator.end_training()

@@ -30,13 +30,30 @@ STEP = re.compile(r"(TIDE|stock FSDP2) step (\d+)/\d+: loss (\S+),")
 
 
 def tide_accelerate(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tide_accelerate", *args], cwd=ROOT, env=CPU_ENV,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "tide_accelerate", *args],
+        cwd=ROOT,
+        env=CPU_ENV,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def launch_example(*args: str) -> str:
-    proc = tide_accelerate("launch", "--config_file", str(CONFIG), "--main_process_port", "0", str(EXAMPLE),
-                           "--steps", "3", "--log-every", "1", *args)
+    proc = tide_accelerate(
+        "launch",
+        "--config_file",
+        str(CONFIG),
+        "--main_process_port",
+        "0",
+        str(EXAMPLE),
+        "--steps",
+        "3",
+        "--log-every",
+        "1",
+        *args,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc.stdout
 
@@ -71,8 +88,20 @@ def test_shipped_yaml_serves_any_hugging_face_model_and_logs_to_trackers(tmp_pat
     """The shipped YAML names no layer class: Accelerate wraps the model's _no_split_modules blocks
     (GPT2Block, Qwen2DecoderLayer), TIDE serves every group, the report is printed once, and the
     script's tracker receives tide/* metrics for every optimizer step."""
-    proc = tide_accelerate("launch", "--config_file", str(CONFIG), "--mixed_precision", "no", "--main_process_port",
-                           "0", "-m", "tests.accelerate.any_model_app", arch, str(tmp_path), timeout=300)
+    proc = tide_accelerate(
+        "launch",
+        "--config_file",
+        str(CONFIG),
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        "0",
+        "-m",
+        "tests.accelerate.any_model_app",
+        arch,
+        str(tmp_path),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     reports = re.findall(r"TIDE in_place on (\d+) FSDP2 parameter group\(s\): (\d+) served", proc.stdout)
     assert len(reports) == 1, proc.stdout  # once, on the main process
@@ -104,17 +133,22 @@ def test_cli_rejects_an_unknown_tide_key(tmp_path):
     config = bad_config(tmp_path, "  mode: in_place\n  modee: slot_reuse\n")
     proc = tide_accelerate("launch", "--config_file", str(config), str(EXAMPLE), timeout=60)
     assert proc.returncode == 2, proc.stderr
-    assert (f"tide-accelerate: error: {config}: unknown key 'modee' in the tide: section (did you mean 'mode'?); "
-            "allowed: mode, transport, "
-            "gpus_per_node,") in proc.stderr
+    assert (
+        f"tide-accelerate: error: {config}: unknown key 'modee' in the tide: section (did you mean 'mode'?); "
+        "allowed: mode, transport, "
+        "gpus_per_node,"
+    ) in proc.stderr
 
 
-@pytest.mark.parametrize("section, fragment", [
-    ("  mode: fast\n", "tide: mode='fast' is not supported; choose one of in_place, slot_reuse"),
-    ("  transport: nvshmem\n", "tide: transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
-    ("  timeout_s: soon\n", "tide: timeout_s='soon' cannot be parsed as float"),
-    ("  - mode\n", "the tide: section must be a mapping of TIDE options"),
-])
+@pytest.mark.parametrize(
+    "section, fragment",
+    [
+        ("  mode: fast\n", "tide: mode='fast' is not supported; choose one of in_place, slot_reuse"),
+        ("  transport: nvshmem\n", "tide: transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
+        ("  timeout_s: soon\n", "tide: timeout_s='soon' cannot be parsed as float"),
+        ("  - mode\n", "the tide: section must be a mapping of TIDE options"),
+    ],
+)
 def test_launcher_rejects_bad_tide_values(tmp_path, capsys, section, fragment):
     from tide_accelerate.launch import main
 
@@ -130,8 +164,19 @@ def test_build_command_strips_the_tide_section(tmp_path):
     command, env, temp_config = build_command(argv, environ={"TIDE_MODE": "slot_reuse", "TIDE_MAX_PARAMS": "8"})
     try:
         assert command[:3] == [sys.executable, "-m", "accelerate.commands.launch"]
-        assert command[3:] == ["--config_file", temp_config, "--num_processes", "2", "-m",
-                               "-m", "tide_accelerate.run", "-m", "pkg.train", "--lr", "1"]
+        assert command[3:] == [
+            "--config_file",
+            temp_config,
+            "--num_processes",
+            "2",
+            "-m",
+            "-m",
+            "tide_accelerate.run",
+            "-m",
+            "pkg.train",
+            "--lr",
+            "1",
+        ]
         import yaml
 
         written = yaml.safe_load(Path(temp_config).read_text())
@@ -187,10 +232,13 @@ def test_launch_deletes_its_temporary_config(tmp_path, monkeypatch):
     assert seen == [True] and list(tmp_path.iterdir()) == []
 
 
-@pytest.mark.parametrize("edit, fragment", [
-    (lambda text: text.replace("\ntide:", "\ntdie:"), "unknown top-level key 'tdie' (did you mean 'tide'?)"),
-    (lambda text: text.replace("distributed_type: FSDP\n", ""), "A `distributed_type` must be specified"),
-])
+@pytest.mark.parametrize(
+    "edit, fragment",
+    [
+        (lambda text: text.replace("\ntide:", "\ntdie:"), "unknown top-level key 'tdie' (did you mean 'tide'?)"),
+        (lambda text: text.replace("distributed_type: FSDP\n", ""), "A `distributed_type` must be specified"),
+    ],
+)
 def test_config_errors_name_the_users_file(tmp_path, capsys, monkeypatch, edit, fragment):
     from tide_accelerate.launch import main
 
@@ -213,11 +261,21 @@ def _tide_accelerator_worker(rank: int, world_size: int) -> dict:
     from tide_core.fsdp.adapter import get_handle
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                         max_position_embeddings=64, tie_word_embeddings=False))
-    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                          transformer_cls_names_to_wrap=["LlamaDecoderLayer"])
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
+    fsdp = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["LlamaDecoderLayer"]
+    )
     # TIDE_MODE=slot_reuse is in the environment: the explicit mode must win even though it is the default.
     accelerator = TIDEAccelerator(fsdp_plugin=fsdp, tide_plugin=TIDEPlugin(mode="in_place", transport="reference"))
     prepared = accelerator.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
@@ -231,15 +289,22 @@ def _tide_accelerator_worker(rank: int, world_size: int) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {"returned": type(prepared).__name__, "state": str(AcceleratorState().distributed_type),
-            "partial": str(PartialState().distributed_type), "mode": handle.config.mode,
-            "served": len(handle.served_groups), "groups": len(handle.entries),
-            "all_gathers": handle.stats()["all_gathers"], "losses": losses}
+    return {
+        "returned": type(prepared).__name__,
+        "state": str(AcceleratorState().distributed_type),
+        "partial": str(PartialState().distributed_type),
+        "mode": handle.config.mode,
+        "served": len(handle.served_groups),
+        "groups": len(handle.entries),
+        "all_gathers": handle.stats()["all_gathers"],
+        "losses": losses,
+    }
 
 
 def test_tide_accelerator_installs_on_the_prepared_model():
-    results = run_distributed(_tide_accelerator_worker, 2, timeout=90,
-                              env={"CUDA_VISIBLE_DEVICES": "", "TIDE_MODE": "slot_reuse"})
+    results = run_distributed(
+        _tide_accelerator_worker, 2, timeout=90, env={"CUDA_VISIBLE_DEVICES": "", "TIDE_MODE": "slot_reuse"}
+    )
     for r in results:
         assert r["returned"] == "list"
         # Forced on CPU, and still FSDP after AcceleratorState() re-reads PartialState.
@@ -250,11 +315,21 @@ def test_tide_accelerator_installs_on_the_prepared_model():
 
 def test_hf_trainer_module_runs_unchanged_under_the_launcher(tmp_path):
     # This file doubles as the training module (see the end): `-m` exercises the runner's module path.
-    proc = tide_accelerate("launch", "--config_file", str(CONFIG), "--mixed_precision", "no", "--main_process_port",
-                           "0", "-m", "tests.accelerate.test_accelerate", str(tmp_path))
+    proc = tide_accelerate(
+        "launch",
+        "--config_file",
+        str(CONFIG),
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        "0",
+        "-m",
+        "tests.accelerate.test_accelerate",
+        str(tmp_path),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
-    result = json.loads(line[len("RESULT "):])
+    result = json.loads(line[len("RESULT ") :])
     assert result["distributed_type"] == "FSDP" and result["served"] == result["groups"] >= 3
     assert math.isfinite(result["train_loss"])
 
@@ -274,16 +349,36 @@ def _hf_trainer_main(output_dir: str) -> None:
             return {"input_ids": ids, "labels": ids}
 
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=97,
-                                         max_position_embeddings=64, tie_word_embeddings=False))
-    args = TrainingArguments(output_dir=output_dir, max_steps=3, per_device_train_batch_size=2, report_to="none",
-                             save_strategy="no", dataloader_pin_memory=False, disable_tqdm=True)
+    model = LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=97,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
+    args = TrainingArguments(
+        output_dir=output_dir,
+        max_steps=3,
+        per_device_train_batch_size=2,
+        report_to="none",
+        save_strategy="no",
+        dataloader_pin_memory=False,
+        disable_tqdm=True,
+    )
     trainer = Trainer(model=model, args=args, train_dataset=Windows())
     metrics = trainer.train().metrics
     handle = get_handle(trainer.model_wrapped)
-    result = {"distributed_type": trainer.accelerator.distributed_type.value, "served": len(handle.served_groups),
-              "groups": len(handle.entries), "train_loss": metrics["train_loss"]}
+    result = {
+        "distributed_type": trainer.accelerator.distributed_type.value,
+        "served": len(handle.served_groups),
+        "groups": len(handle.entries),
+        "train_loss": metrics["train_loss"],
+    }
     if trainer.is_world_process_zero():
         # One write: the launcher runs Python unbuffered, so print's separate newline could land after
         # another process's output.

@@ -11,14 +11,32 @@ import sys
 def test_collective_benchmarks_run_on_cpu(tmp_path):
     for command in ("ag", "rs"):
         proc = subprocess.run(
-            [sys.executable, "-m", "tide_core.bench", command, "--sizes", "1", "--iters", "2", "--out", str(tmp_path),
-             "--scratch", str(tmp_path)],
-            capture_output=True, text=True, timeout=300,
+            [
+                sys.executable,
+                "-m",
+                "tide_core.bench",
+                command,
+                "--sizes",
+                "1",
+                "--iters",
+                "2",
+                "--out",
+                str(tmp_path),
+                "--scratch",
+                str(tmp_path),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = json.loads((tmp_path / f"{command}.json").read_text())["rows"]
         systems = {r["system"] for r in rows}
-        assert systems == {"TIDE (reference)", "stock FSDP2", "bare gloo" if command == "ag" else "bare gloo (fp32, pre-packed)"}
+        assert systems == {
+            "TIDE (reference)",
+            "stock FSDP2",
+            "bare gloo" if command == "ag" else "bare gloo (fp32, pre-packed)",
+        }
         assert all(r["median_ms"] > 0 for r in rows)
         written = list(tmp_path.glob(f"*-{command}-cpu.md"))
         assert written and "| op | shard S | system |" in written[0].read_text()
@@ -26,9 +44,28 @@ def test_collective_benchmarks_run_on_cpu(tmp_path):
 
 def test_sweeps_traces_and_emulated_nodes_run_on_cpu(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tide_core.bench", "ag", "--sizes", "1", "--iters", "2", "--nodes", "2", "--trace",
-         "--sweep", "chunk_mib=4,8", "--out", str(tmp_path), "--scratch", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tide_core.bench",
+            "ag",
+            "--sizes",
+            "1",
+            "--iters",
+            "2",
+            "--nodes",
+            "2",
+            "--trace",
+            "--sweep",
+            "chunk_mib=4,8",
+            "--out",
+            str(tmp_path),
+            "--scratch",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     systems = [r["system"] for r in json.loads((tmp_path / "ag.json").read_text())["rows"]]
@@ -36,17 +73,45 @@ def test_sweeps_traces_and_emulated_nodes_run_on_cpu(tmp_path):
     trace = json.loads((tmp_path / "trace-ag-1-tide--reference.json").read_text())
     assert trace and all(len(event) == 6 for event in trace)  # name, kind, thread, start, duration, bytes
     assert list(tmp_path.glob("*-ag-2nodes-emulated-cpu.md"))
-    bad = subprocess.run([sys.executable, "-m", "tide_core.bench", "ag", "--sweep", "nonsense=1"],
-                         capture_output=True, text=True, timeout=60)
+    bad = subprocess.run(
+        [sys.executable, "-m", "tide_core.bench", "ag", "--sweep", "nonsense=1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert bad.returncode != 0 and "--sweep wants FIELD=V1,V2" in bad.stderr
 
 
 def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "tide_core.bench", "train", "--models", "tiny", "--layers", "2", "--tokens", "64",
-         "--rounds", "1", "--steps", "2", "--loss-steps", "4", "--loss-tokens", "32", "--memory-detail",
-         "--out", str(tmp_path), "--scratch", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "tide_core.bench",
+            "train",
+            "--models",
+            "tiny",
+            "--layers",
+            "2",
+            "--tokens",
+            "64",
+            "--rounds",
+            "1",
+            "--steps",
+            "2",
+            "--loss-steps",
+            "4",
+            "--loss-tokens",
+            "32",
+            "--memory-detail",
+            "--out",
+            str(tmp_path),
+            "--scratch",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--memory-detail needs CUDA" in proc.stdout  # a CPU run skips the attribution and says so
@@ -78,9 +143,25 @@ def test_results_go_to_the_user_cache_by_default(tmp_path):
 
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
-    proc = subprocess.run([sys.executable, "-m", "tide_core.bench", "ag", "--sizes", "1", "--iters", "2",
-                           "--scratch", str(tmp_path / "raw")], cwd=cwd, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "XDG_CACHE_HOME": str(cache)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tide_core.bench",
+            "ag",
+            "--sizes",
+            "1",
+            "--iters",
+            "2",
+            "--scratch",
+            str(tmp_path / "raw"),
+        ],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "XDG_CACHE_HOME": str(cache)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = list((cache / "tide" / "bench").glob("*-ag-cpu.md"))
     assert len(written) == 1 and f"wrote {written[0]}" in proc.stdout

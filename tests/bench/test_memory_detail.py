@@ -17,14 +17,22 @@ def step(phase):
     return frame("tide_core/bench/train.py", "train_step", LINE[phase])
 
 
-ARENA = [frame("tide_core/runtime/symmetric.py", "allocate"), frame("tide_core/runtime/arena.py", "segment"),
-         frame("tide_core/transport/cuda.py", "all_gather")]
+ARENA = [
+    frame("tide_core/runtime/symmetric.py", "allocate"),
+    frame("tide_core/runtime/arena.py", "segment"),
+    frame("tide_core/transport/cuda.py", "all_gather"),
+]
 OPTIMIZER = [frame("torch/optim/adamw.py", "_init_group"), step("optimizer")]
-FORWARD = [frame("torch/nn/modules/linear.py", "forward"), frame("tide_core/bench/models.py", "forward"),
-           step("forward")]
+FORWARD = [
+    frame("torch/nn/modules/linear.py", "forward"),
+    frame("tide_core/bench/models.py", "forward"),
+    step("forward"),
+]
 LOSS = [frame("torch/nn/functional.py", "cross_entropy"), step("loss")]
-REDUCE = [frame("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "allocate"),
-          frame("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce")]
+REDUCE = [
+    frame("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "allocate"),
+    frame("torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py", "foreach_reduce"),
+]
 
 
 def event(action, addr, size, frames=()):
@@ -68,9 +76,14 @@ def test_peak_is_replayed_and_attributed():
     d = md.peak_attribution(snapshot(), RESIDENT, PHASES)
     assert d["peak_bytes"] == RESIDENT - 1024 + 4096 + 8192 + 2048
     assert d["phase"] == "backward"
-    assert d["categories"] == {"optimizer": 2 * MiB, "TIDE arena": MiB, "loss (logits.float, cross entropy)": 8192,
-                               "activations (model forward)": 4096, md.NO_STACK_MEASURED: 2048,
-                               "FSDP2 foreach_reduce": 512}
+    assert d["categories"] == {
+        "optimizer": 2 * MiB,
+        "TIDE arena": MiB,
+        "loss (logits.float, cross entropy)": 8192,
+        "activations (model forward)": 4096,
+        md.NO_STACK_MEASURED: 2048,
+        "FSDP2 foreach_reduce": 512,
+    }
     assert sum(d["categories"].values()) == d["peak_bytes"]
     assert d["resident_at_peak"] == MiB + 2 * MiB + 512
     assert [b["bytes"] for b in d["top_blocks"]] == [2 * MiB, MiB, 8192, 4096, 2048, 512]
@@ -89,18 +102,24 @@ def test_peak_before_any_allocation():
     d = md.peak_attribution({"segments": [], "device_traces": [[event("free_requested", 0x100, 512)]]}, 512, PHASES)
     assert d["peak_bytes"] == 512 and d["phase"] == "before the measured steps"
     assert d["categories"] == {md.NO_STACK_RESIDENT: 512}  # live at the start, freed later
-    assert d["top_blocks"] == [{"bytes": 512, "category": md.NO_STACK_RESIDENT, "resident": True,
-                                "where": "(no Python stack)"}]
+    assert d["top_blocks"] == [
+        {"bytes": 512, "category": md.NO_STACK_RESIDENT, "resident": True, "where": "(no Python stack)"}
+    ]
 
 
 def test_peak_table_compares_systems_per_tokens_point():
     detail = md.peak_attribution(snapshot(), RESIDENT, PHASES)
-    memory = {"stock": {"4096": {"peak_allocated": detail["peak_bytes"] + MiB, "peak_reserved": 0, "detail": detail}},
-              "in_place": {"4096": {"peak_allocated": detail["peak_bytes"], "peak_reserved": 0, "detail": detail}},
-              "slot_reuse": None}
+    memory = {
+        "stock": {"4096": {"peak_allocated": detail["peak_bytes"] + MiB, "peak_reserved": 0, "detail": detail}},
+        "in_place": {"4096": {"peak_allocated": detail["peak_bytes"], "peak_reserved": 0, "detail": detail}},
+        "slot_reuse": None,
+    }
     text = "\n".join(peak_tables(memory))
     assert "Where the peak is, 4096 tokens/GPU" in text
     assert "| category | stock | in_place |" in text and "| peak phase | backward | backward |" in text
     assert "| max_memory_allocated - replayed (MiB) | 1 | 0 |" in text
-    assert "| in_place | 1 | TIDE arena | yes | symmetric.py:1 allocate < arena.py:1 segment < cuda.py:1 all_gather |" in text
+    assert (
+        "| in_place | 1 | TIDE arena | yes | symmetric.py:1 allocate < arena.py:1 segment < cuda.py:1 all_gather |"
+        in text
+    )
     assert peak_tables({"stock": {"4096": {"peak_allocated": 0, "peak_reserved": 0}}}) == []

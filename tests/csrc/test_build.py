@@ -11,8 +11,19 @@ from tide_core.runtime import native
 def test_extension_was_built_and_exposes_its_primitives():
     assert native.load_error() is None, native.load_error()
     lib = native.lib()
-    for name in ("memcpy_batch", "memcpy_2d", "stream_write_u32", "stream_wait_u32", "launch_sum", "copy_kernel",
-                 "StreamProgram", "event_query", "stream_wait_event", "stream_memops_available", "runtime_version"):
+    for name in (
+        "memcpy_batch",
+        "memcpy_2d",
+        "stream_write_u32",
+        "stream_wait_u32",
+        "launch_sum",
+        "copy_kernel",
+        "StreamProgram",
+        "event_query",
+        "stream_wait_event",
+        "stream_memops_available",
+        "runtime_version",
+    ):
         assert callable(getattr(lib, name)), name
     assert lib.MAX_SEGMENTS >= 64 and lib.MAX_SOURCES >= 7
     assert lib.runtime_version() >= 12080  # cudaMemcpyBatchAsync needs CUDA >= 12.8

@@ -25,10 +25,15 @@ def test_copy_kernel_places_segments_of_any_alignment():
         segments.append((offset + (i % 16), 2_000_000 + 7 * i, n))
         offset += n + 32
     for d, s, n in segments:
-        expect[d:d + n] = src.cpu()[s:s + n]
+        expect[d : d + n] = src.cpu()[s : s + n]
     base_d, base_s = dst.data_ptr(), src.data_ptr()
-    lib.copy_kernel([base_d + d for d, _, _ in segments], [base_s + s for _, s, _ in segments],
-                    [n for _, _, n in segments], 4, torch.cuda.current_stream().cuda_stream)
+    lib.copy_kernel(
+        [base_d + d for d, _, _ in segments],
+        [base_s + s for _, s, _ in segments],
+        [n for _, _, n in segments],
+        4,
+        torch.cuda.current_stream().cuda_stream,
+    )
     torch.cuda.synchronize()
     assert torch.equal(dst.cpu(), expect)
 
@@ -80,8 +85,8 @@ def _sum_layout(gen, dtype, n):
         # element i of the chunk 16-byte aligned when i % 8 == 0, then `misalignment` bytes off
         start = src + offset % 8 + misalignment // size
         segments.append((offset, length, valid, own_buf.data_ptr() + start * size))
-        own_full[offset:offset + valid] = own_buf[start:start + valid].float().cpu()
-        mask[offset:offset + valid] = True
+        own_full[offset : offset + valid] = own_buf[start : start + valid].float().cpu()
+        mask[offset : offset + valid] = True
         offset += length
         src += (length + 23) // 8 * 8
     return segments, own_full, mask, own_buf
@@ -102,12 +107,26 @@ def test_sum_kernels_match_the_reference_bitwise(dtype, kernel):
     for ns in range(8):
         staged = [torch.randn(n, generator=gen).to(dtype) for _ in range(ns)]
         staged_gpu = [s.cuda() for s in staged]
-        for first, count, ctas, alpha, accumulate in ((0, n, 16, 1.0, False), (8 * 37, n - 8 * 37 - 13, 3, -0.37, True),
-                                                      (8 * 2000, 8 * 3000 + 5, 64, 0.125, False)):
+        for first, count, ctas, alpha, accumulate in (
+            (0, n, 16, 1.0, False),
+            (8 * 37, n - 8 * 37 - 13, 3, -0.37, True),
+            (8 * 2000, 8 * 3000 + 5, 64, 0.125, False),
+        ):
             previous = torch.randn(n, generator=gen)
             out = previous.cuda()
-            lib.launch_sum(out.data_ptr(), [s.data_ptr() for s in staged_gpu], segments, first, count, alpha,
-                           accumulate, DTYPE_CODES[dtype], ctas, stream, lib.SUM_KERNELS[kernel])
+            lib.launch_sum(
+                out.data_ptr(),
+                [s.data_ptr() for s in staged_gpu],
+                segments,
+                first,
+                count,
+                alpha,
+                accumulate,
+                DTYPE_CODES[dtype],
+                ctas,
+                stream,
+                lib.SUM_KERNELS[kernel],
+            )
             torch.cuda.synchronize()
             acc = staged[0].float() if ns else own_full
             for s in staged[1:]:
@@ -120,8 +139,10 @@ def test_sum_kernels_match_the_reference_bitwise(dtype, kernel):
             expect[span] = previous[span] + t[span] if accumulate else t[span]
             got = out.cpu()
             bad = (got.view(torch.int32) != expect.view(torch.int32)).nonzero().flatten()
-            assert bad.numel() == 0, (f"{kernel} {dtype} ns={ns} first={first} accumulate={accumulate}: "
-                                      f"{bad.numel()} differ, first at {bad[:5].tolist()}")
+            assert bad.numel() == 0, (
+                f"{kernel} {dtype} ns={ns} first={first} accumulate={accumulate}: "
+                f"{bad.numel()} differ, first at {bad[:5].tolist()}"
+            )
 
 
 def test_stream_program_sum_takes_the_kernel_choice():
@@ -138,8 +159,19 @@ def test_stream_program_sum_takes_the_kernel_choice():
         out = torch.randn(n, generator=gen).cuda()
         outs[kernel] = out
         program = lib.StreamProgram(0)
-        program.sum(lib.CALLER_STREAM, out.data_ptr(), [s.data_ptr() for s in staged], segments, 0, n, 0.5, False,
-                    0, 4, lib.SUM_KERNELS[kernel])
+        program.sum(
+            lib.CALLER_STREAM,
+            out.data_ptr(),
+            [s.data_ptr() for s in staged],
+            segments,
+            0,
+            n,
+            0.5,
+            False,
+            0,
+            4,
+            lib.SUM_KERNELS[kernel],
+        )
         program.replay(torch.cuda.current_stream().cuda_stream, 0)
     torch.cuda.synchronize()
     assert torch.equal(outs["regs"].view(torch.int32), outs["tma"].view(torch.int32))

@@ -37,8 +37,9 @@ class Block(nn.Module):
 
 
 class TinyLM(nn.Module):
-    def __init__(self, vocab: int = 37, dim: int = 30, hidden: int = 53, heads: int = 3, layers: int = 4,
-                 tie: bool = False):
+    def __init__(
+        self, vocab: int = 37, dim: int = 30, hidden: int = 53, heads: int = 3, layers: int = 4, tie: bool = False
+    ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(Block(dim, hidden, heads) for _ in range(layers))

@@ -23,8 +23,17 @@ class FusedRMSNorm(RMSNorm):
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), self.weight, 1e-6)
 
 
-def build(seed: int = 0, *, mp: bool = False, reshard=True, ac: bool = False, layers: int = 4, hsdp: bool = False,
-          mp_reduce: torch.dtype | None = torch.float32, fused_norm: bool = False):
+def build(
+    seed: int = 0,
+    *,
+    mp: bool = False,
+    reshard=True,
+    ac: bool = False,
+    layers: int = 4,
+    hsdp: bool = False,
+    mp_reduce: torch.dtype | None = torch.float32,
+    fused_norm: bool = False,
+):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -124,8 +133,10 @@ CONFIGS_2 = [
 def test_parity_with_stock_fsdp2_on_2_ranks():
     results = run_distributed(_parity, 2, args=(CONFIGS_2,), timeout=300)[0]
     for name, r in results.items():
-        print(f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} "
-              f"max|slot_reuse-in_place|={r['slot_reuse_vs_in_place']:.3e} max|dloss|={r['loss_diff']:.3e}")
+        print(
+            f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} "
+            f"max|slot_reuse-in_place|={r['slot_reuse_vs_in_place']:.3e} max|dloss|={r['loss_diff']:.3e}"
+        )
         assert r["slot_reuse_vs_in_place"] == 0.0, name
         if name.startswith("fp32"):
             # Two ranks: a + b is associative-free, so fp32 results are bitwise those of stock FSDP2.
@@ -134,20 +145,28 @@ def test_parity_with_stock_fsdp2_on_2_ranks():
             assert r["in_place_vs_stock"] < 2e-2, name  # bf16 parameters: a few bf16 ulps after 5 steps
 
 
-@pytest.mark.skipif(__import__("tide_core.fsdp.compat", fromlist=["torch_version"]).torch_version() < (2, 15),
-                    reason="torch 2.15 semantics: reduce_dtype=None reduces in the parameter dtype; mixed gradient dtypes")
+@pytest.mark.skipif(
+    __import__("tide_core.fsdp.compat", fromlist=["torch_version"]).torch_version() < (2, 15),
+    reason="torch 2.15 semantics: reduce_dtype=None reduces in the parameter dtype; mixed gradient dtypes",
+)
 def test_torch_2_15_gradient_dtypes_are_served_exactly():
     # torch 2.15: MixedPrecisionPolicy(param_dtype=bf16) without reduce_dtype reduces in the
     # parameters' fp32, from bf16 gradients FSDP2 upcasts in its copy-in; TIDE sums them in fp32.
-    configs = [("bf16 params, reduce_dtype=None", {"mp": True, "mp_reduce": None}),
-               # Gradients accumulated across microbatches are upcast to fp32 by FSDP2: they are not
-               # the landing's bf16, so Slot-Reuse reads them in place.
-               ("bf16 params, reduce_dtype=None, grad accumulation",
-                {"mp": True, "mp_reduce": None, "microbatches": 2, "slot_sources": False}),
-               # fp32 rms_norm weight gradients next to bf16 ones: both cast to the fp32 reduce dtype.
-               ("bf16 params, rms_norm, reduce_dtype=None", {"mp": True, "mp_reduce": None, "fused_norm": True,
-                                                              "slot_sources": False}),
-               ("bf16 params, rms_norm, reduce_dtype=fp32", {"mp": True, "fused_norm": True, "slot_sources": False})]
+    configs = [
+        ("bf16 params, reduce_dtype=None", {"mp": True, "mp_reduce": None}),
+        # Gradients accumulated across microbatches are upcast to fp32 by FSDP2: they are not
+        # the landing's bf16, so Slot-Reuse reads them in place.
+        (
+            "bf16 params, reduce_dtype=None, grad accumulation",
+            {"mp": True, "mp_reduce": None, "microbatches": 2, "slot_sources": False},
+        ),
+        # fp32 rms_norm weight gradients next to bf16 ones: both cast to the fp32 reduce dtype.
+        (
+            "bf16 params, rms_norm, reduce_dtype=None",
+            {"mp": True, "mp_reduce": None, "fused_norm": True, "slot_sources": False},
+        ),
+        ("bf16 params, rms_norm, reduce_dtype=fp32", {"mp": True, "fused_norm": True, "slot_sources": False}),
+    ]
     results = run_distributed(_parity, 2, args=(configs,), timeout=300)[0]
     for name, r in results.items():
         print(f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} max|dloss|={r['loss_diff']:.3e}")
@@ -163,7 +182,10 @@ def test_parity_on_4_ranks_and_emulated_2x2_topology():
     ]
     results = run_distributed(_parity, 4, args=(configs,), timeout=300)[0]
     for name, r in results.items():
-        print(f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} max|slot_reuse-in_place|={r['slot_reuse_vs_in_place']:.3e}")
+        print(
+            f"\n{name}: max|TIDE-stock|={r['in_place_vs_stock']:.3e} "
+            f"max|slot_reuse-in_place|={r['slot_reuse_vs_in_place']:.3e}"
+        )
         assert r["slot_reuse_vs_in_place"] == 0.0
         if "HSDP" in name:
             assert r["in_place_vs_stock"] == 0.0, name  # 2-rank shard groups: bitwise
@@ -172,8 +194,9 @@ def test_parity_on_4_ranks_and_emulated_2x2_topology():
 
 
 def _no_layout_copies(rank, world_size):
-    import tide_core
     from torch.profiler import ProfilerActivity, profile
+
+    import tide_core
 
     def op_names(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -182,20 +205,38 @@ def _no_layout_copies(rank, world_size):
             opt.step()
         return {e.name for e in prof.events()}
 
-    layout_ops = {"fsdp::split_with_sizes_copy", "fsdp::chunk_cat", "fsdp::chunk_cat_mixed_dtype", "aten::_chunk_cat",
-                  "aten::split_with_sizes_copy", "fsdp::all_gather_copy_in"}
+    layout_ops = {
+        "fsdp::split_with_sizes_copy",
+        "fsdp::chunk_cat",
+        "fsdp::chunk_cat_mixed_dtype",
+        "aten::_chunk_cat",
+        "aten::split_with_sizes_copy",
+        "fsdp::all_gather_copy_in",
+    }
     stock_ops = op_names(build(mp=True)) & layout_ops
     model = build(mp=True)
     handle = tide_core.install(model, transport="reference")
     tide_ops = op_names(model) & layout_ops
-    landing_ptrs = {p: [fp.all_gather_outputs[0].data_ptr() for fp in g.fsdp_params]
-                    for p, g in enumerate(handle.served_groups)}
+    landing_ptrs = {
+        p: [fp.all_gather_outputs[0].data_ptr() for fp in g.fsdp_params] for p, g in enumerate(handle.served_groups)
+    }
     op_names(model)
-    stable = all([fp.all_gather_outputs[0].data_ptr() for fp in g.fsdp_params] == landing_ptrs[p]
-                  for p, g in enumerate(handle.served_groups))
-    inside = all(any(seg.contains(fp.all_gather_outputs[0].data_ptr()) for t in handle.transports.values()
-                     for seg in t.arena.segments.values()) for g in handle.served_groups for fp in g.fsdp_params)
-    offsets_zero = all(fp.all_gather_outputs[0].storage_offset() == 0 for g in handle.served_groups for fp in g.fsdp_params)
+    stable = all(
+        [fp.all_gather_outputs[0].data_ptr() for fp in g.fsdp_params] == landing_ptrs[p]
+        for p, g in enumerate(handle.served_groups)
+    )
+    inside = all(
+        any(
+            seg.contains(fp.all_gather_outputs[0].data_ptr())
+            for t in handle.transports.values()
+            for seg in t.arena.segments.values()
+        )
+        for g in handle.served_groups
+        for fp in g.fsdp_params
+    )
+    offsets_zero = all(
+        fp.all_gather_outputs[0].storage_offset() == 0 for g in handle.served_groups for fp in g.fsdp_params
+    )
     return sorted(stock_ops), sorted(tide_ops), stable, inside, offsets_zero, handle.report()
 
 
@@ -292,8 +333,9 @@ def _checkpoint_round_trip(rank, world_size, path):
 
 
 def test_distributed_checkpoint_round_trip_and_ema_snapshot(tmp_path):
-    continued, resumed, diff, ema_keys = run_distributed(_checkpoint_round_trip, 2, args=(str(tmp_path / "ckpt"),),
-                                                          timeout=180)[0]
+    continued, resumed, diff, ema_keys = run_distributed(
+        _checkpoint_round_trip, 2, args=(str(tmp_path / "ckpt"),), timeout=180
+    )[0]
     assert continued == resumed and diff == 0.0
     assert "blocks.0.wqkv.weight" in ema_keys
 
@@ -352,8 +394,10 @@ def _keep_unsharded_storage(rank, world_size):
     return len(handle.served_groups), placements, diff, losses == stock_losses, stable
 
 
-@pytest.mark.skipif(not hasattr(__import__("torch.distributed.fsdp", fromlist=["FSDPModule"]).FSDPModule,
-                                "set_keep_unsharded_storage"), reason="FSDPModule.set_keep_unsharded_storage is new in torch 2.15")
+@pytest.mark.skipif(
+    not hasattr(__import__("torch.distributed.fsdp", fromlist=["FSDPModule"]).FSDPModule, "set_keep_unsharded_storage"),
+    reason="FSDPModule.set_keep_unsharded_storage is new in torch 2.15",
+)
 def test_keep_unsharded_storage_gets_dedicated_stable_landings():
     served, placements, diff, same_losses, stable = run_distributed(_keep_unsharded_storage, 2, timeout=180)[0]
     assert served == 5 and placements == ["dedicated landing"]  # never a ring slot nobody releases

@@ -21,12 +21,23 @@ def _explicit_cuda_on_cpu(rank, world_size):
         raised = None
     except TIDEError as exc:
         raised = str(exc)
-    params_tagged = sum("_tide_group" in fp.__dict__ for m in model.modules() if hasattr(m, "_get_fsdp_state")
-                        for pg in [m._get_fsdp_state()._fsdp_param_group] if pg for fp in pg.fsdp_params)
+    params_tagged = sum(
+        "_tide_group" in fp.__dict__
+        for m in model.modules()
+        if hasattr(m, "_get_fsdp_state")
+        for pg in [m._get_fsdp_state()._fsdp_param_group]
+        if pg
+        for fp in pg.fsdp_params
+    )
     # "auto" on the same CPU groups is served by the reference transport.
     handle = tide_core.install(build(), transport="auto")
-    return {"raised": raised, "installed": get_handle(model) is not None, "tagged": params_tagged,
-            "auto": [t.name for t in handle.transports.values()], "auto_served": len(handle.served_groups)}
+    return {
+        "raised": raised,
+        "installed": get_handle(model) is not None,
+        "tagged": params_tagged,
+        "auto": [t.name for t in handle.transports.values()],
+        "auto_served": len(handle.served_groups),
+    }
 
 
 def test_explicit_cuda_transport_that_cannot_serve_raises():
@@ -54,8 +65,9 @@ def _uninstall_after_no_grad_forward(rank, world_size):
         message = None
     except TIDEError as exc:
         message = str(exc)
-    still_served = get_handle(model) is handle and all(g.landings is not None for g in handle.served_groups
-                                                       if g.name == "<root>")
+    still_served = get_handle(model) is handle and all(
+        g.landings is not None for g in handle.served_groups if g.name == "<root>"
+    )
     model.reshard()  # what the message says to do
     tide_core.uninstall(model)
     return {"message": message, "still_served": still_served, "after": get_handle(model)}

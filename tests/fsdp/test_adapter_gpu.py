@@ -35,8 +35,9 @@ def _train(model, rank, steps=5):
 
 
 def _parity_and_trace(rank, world_size):
-    import tide_core
     from torch.profiler import ProfilerActivity, profile
+
+    import tide_core
 
     results = {}
     for mp in (False, True):
@@ -49,10 +50,14 @@ def _parity_and_trace(rank, world_size):
             per_mode[mode] = _train(model, rank)
             if mode == "in_place":
                 ptrs = [fp.all_gather_outputs[0].data_ptr() for g in handle.served_groups for fp in g.fsdp_params]
-                inside = all(any(seg.contains(p) for t in handle.transports.values() for seg in t.arena.segments.values())
-                             for p in ptrs)
+                inside = all(
+                    any(seg.contains(p) for t in handle.transports.values() for seg in t.arena.segments.values())
+                    for p in ptrs
+                )
                 _train(model, rank, steps=1)
-                stable = ptrs == [fp.all_gather_outputs[0].data_ptr() for g in handle.served_groups for fp in g.fsdp_params]
+                stable = ptrs == [
+                    fp.all_gather_outputs[0].data_ptr() for g in handle.served_groups for fp in g.fsdp_params
+                ]
                 results[f"pointers mp={mp}"] = (inside, stable)
                 report = handle.report()
         diff = max((per_mode["in_place"][k] - stock[k]).abs().max().item() for k in stock)

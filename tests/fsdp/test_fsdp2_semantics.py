@@ -63,14 +63,18 @@ class Recorder:
         opt.zero_grad(set_to_none=set_to_none)
 
     def finish(self) -> dict:
-        import tide_core
         from torch.distributed.fsdp import FSDPModule
+
+        import tide_core
 
         for module in self.model.modules():  # parameters kept unsharded: back to their shards
             if isinstance(module, FSDPModule):
                 module.reshard()
-        out = {"losses": self.losses, "grads": self.grads,
-               "params": {n: _full(p) for n, p in self.model.named_parameters()}}
+        out = {
+            "losses": self.losses,
+            "grads": self.grads,
+            "params": {n: _full(p) for n, p in self.model.named_parameters()},
+        }
         if self.handle is not None:
             out["served"] = len(self.handle.served_groups)
             out["reasons"] = {e.name: e.reason for e in self.handle.fallback_groups}
@@ -415,8 +419,8 @@ def _explicit_prefetch(mode, rank):
     model = _tiny_lm()
     blocks = list(model.blocks)
     for i, block in enumerate(blocks):
-        block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
-        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2):i][::-1])
+        block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
+        block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
     return _lm_steps(model, Recorder(model, mode), rank)
 
 
@@ -492,9 +496,9 @@ def _zero_size_parameter(mode, rank):
 def _unannotated_foreach_reduce_wrapper(mode, rank):
     """Another library wraps FSDP2's foreach_reduce without a return annotation (as PyTorch's own
     tests do) before TIDE installs: TIDE's reduce must still return what this torch expects."""
-    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
-
     import inspect
+
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     original = _fsdp_param_group.foreach_reduce
 
@@ -555,22 +559,30 @@ SCENARIOS = {
     "param fp32, reduce fp16": (_mixed_precision, {"param_dtype": None, "reduce_dtype": torch.float16}),
     "param bf16, reduce fp32": (_mixed_precision, {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32}),
     "param bf16, reduce bf16, fp32_reduce=True": (
-        _mixed_precision, {"param_dtype": torch.bfloat16, "reduce_dtype": None, "fp32_reduce": True}),
+        _mixed_precision,
+        {"param_dtype": torch.bfloat16, "reduce_dtype": None, "fp32_reduce": True},
+    ),
     "weight-tied group, composable checkpoint": (_weight_tied_group_checkpointed, {}),
     "partial group grad accum chunked, reshard": (_partial_group_grad_accum_chunked, {"reshard": True}),
     "partial group grad accum chunked, no reshard": (_partial_group_grad_accum_chunked, {"reshard": False}),
     "partial group reshard toggle": (_partial_group_reshard_toggle, {"tie": False, "initial_reshard": False}),
     "partial group reshard toggle, initial reshard": (
-        _partial_group_reshard_toggle, {"tie": False, "initial_reshard": True}),
+        _partial_group_reshard_toggle,
+        {"tie": False, "initial_reshard": True},
+    ),
     "partial group reshard toggle, tied": (_partial_group_reshard_toggle, {"tie": True, "initial_reshard": False}),
     "partial group reshard toggle, tied, initial reshard": (
-        _partial_group_reshard_toggle, {"tie": True, "initial_reshard": True}),
+        _partial_group_reshard_toggle,
+        {"tie": True, "initial_reshard": True},
+    ),
     "double partial forward": (_double_partial_forward, {}),
     "double forward, nested, checkpointed": (_double_forward_nested_checkpointed, {"reshard": True}),
     "double forward, nested, checkpointed, no reshard": (_double_forward_nested_checkpointed, {"reshard": False}),
     "1f1b": (_one_f_one_b, {"explicit_unshard": False, "reshard_after_backward": True}),
     "1f1b explicit unshard, reshard after last backward": (
-        _one_f_one_b, {"explicit_unshard": True, "reshard_after_backward": False}),
+        _one_f_one_b,
+        {"explicit_unshard": True, "reshard_after_backward": False},
+    ),
     "explicit prefetch of two groups": (_explicit_prefetch, {}),
     "install after an explicit unshard": (_install_after_explicit_unshard, {}),
     "frozen parameters": (_frozen_parameters, {}),
@@ -583,17 +595,32 @@ SCENARIOS = {
 }
 
 ON_2_RANKS = [
-    "all-reduce hook", "set_reshard_after_backward(False)", "param bf16, reduce bf16", "param fp32, reduce bf16",
-    "param fp32, reduce fp16", "param bf16, reduce fp32", "param bf16, reduce bf16, fp32_reduce=True",
-    "weight-tied group, composable checkpoint", "partial group grad accum chunked, reshard",
-    "partial group grad accum chunked, no reshard", "partial group reshard toggle",
-    "partial group reshard toggle, initial reshard", "partial group reshard toggle, tied",
-    "partial group reshard toggle, tied, initial reshard", "double partial forward",
-    "double forward, nested, checkpointed", "double forward, nested, checkpointed, no reshard", "1f1b",
-    "1f1b explicit unshard, reshard after last backward", "explicit prefetch of two groups",
-    "install after an explicit unshard", "frozen parameters", "clip_grad_norm_",
+    "all-reduce hook",
+    "set_reshard_after_backward(False)",
+    "param bf16, reduce bf16",
+    "param fp32, reduce bf16",
+    "param fp32, reduce fp16",
+    "param bf16, reduce fp32",
+    "param bf16, reduce bf16, fp32_reduce=True",
+    "weight-tied group, composable checkpoint",
+    "partial group grad accum chunked, reshard",
+    "partial group grad accum chunked, no reshard",
+    "partial group reshard toggle",
+    "partial group reshard toggle, initial reshard",
+    "partial group reshard toggle, tied",
+    "partial group reshard toggle, tied, initial reshard",
+    "double partial forward",
+    "double forward, nested, checkpointed",
+    "double forward, nested, checkpointed, no reshard",
+    "1f1b",
+    "1f1b explicit unshard, reshard after last backward",
+    "explicit prefetch of two groups",
+    "install after an explicit unshard",
+    "frozen parameters",
+    "clip_grad_norm_",
     "parameters unused on some steps",
-    "zero-size parameter", "foreach_reduce wrapped without annotation",
+    "zero-size parameter",
+    "foreach_reduce wrapped without annotation",
 ]
 ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)", "TP x FSDP (2-D)"]
 ON_8_RANKS = ["HSDP x TP (3-D)"]
@@ -637,8 +664,9 @@ def test_low_precision_reduce_dtype_falls_back_with_the_reason(two_ranks, name):
         assert r["served"] == 0, (name, mode, r)
         assert r["loss"] == 0.0 and r["grad"] == 0.0 and r["param"] == 0.0, (name, mode, r)
         assert len(r["reasons"]) == 5
-        assert all("FSDP2 reduces gradients in torch." in why and "fp32_reduce" in why
-                   for why in r["reasons"].values()), r["reasons"]
+        assert all(
+            "FSDP2 reduces gradients in torch." in why and "fp32_reduce" in why for why in r["reasons"].values()
+        ), r["reasons"]
 
 
 def test_fp32_reduce_is_served_only_when_asked_for(two_ranks):
@@ -656,21 +684,34 @@ def test_weight_tied_group_with_composable_checkpointing(two_ranks):
     _assert_exact(two_ranks, "weight-tied group, composable checkpoint", served=6)
 
 
-@pytest.mark.parametrize("name", ["partial group grad accum chunked, reshard",
-                                  "partial group grad accum chunked, no reshard"])
+@pytest.mark.parametrize(
+    "name", ["partial group grad accum chunked, reshard", "partial group grad accum chunked, no reshard"]
+)
 def test_partial_group_forward_grad_accum_chunked(two_ranks, name):
     _assert_exact(two_ranks, name, served=3)
 
 
-@pytest.mark.parametrize("name", ["partial group reshard toggle", "partial group reshard toggle, initial reshard",
-                                  "partial group reshard toggle, tied",
-                                  "partial group reshard toggle, tied, initial reshard"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "partial group reshard toggle",
+        "partial group reshard toggle, initial reshard",
+        "partial group reshard toggle, tied",
+        "partial group reshard toggle, tied, initial reshard",
+    ],
+)
 def test_partial_group_reshard_toggle(two_ranks, name):
     _assert_exact(two_ranks, name)
 
 
-@pytest.mark.parametrize("name", ["double partial forward", "double forward, nested, checkpointed",
-                                  "double forward, nested, checkpointed, no reshard"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "double partial forward",
+        "double forward, nested, checkpointed",
+        "double forward, nested, checkpointed, no reshard",
+    ],
+)
 def test_several_forwards_before_one_backward(two_ranks, name):
     _assert_exact(two_ranks, name)
 
@@ -740,7 +781,7 @@ def _slot_conflicts(rank, world_size):
         if cause == "explicit prefetch":  # set after the landings were placed
             blocks = list(model.blocks)
             for i, block in enumerate(blocks[:-2]):
-                block.set_modules_to_forward_prefetch(blocks[i + 1:i + 3])
+                block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
         else:
             for block in model.blocks:
                 block.set_reshard_after_forward(False)
@@ -807,13 +848,15 @@ def test_process_group_without_point_to_point_falls_back():
     assert len(outcome) == 2, f"the threaded world ended with exit code {proc.exitcode}"
     for rank, reasons, served in outcome:
         assert served == 0, (rank, reasons)
-        assert len(reasons) == 5 and all("backend 'threaded' has no point-to-point send/recv" in r
-                                         for r in reasons), reasons
+        assert len(reasons) == 5 and all("backend 'threaded' has no point-to-point send/recv" in r for r in reasons), (
+            reasons
+        )
 
 
 def _single_process(rank, world_size):
-    import tide_core
     from torch.distributed.tensor.debug import CommDebugMode
+
+    import tide_core
 
     model = _tiny_lm()
     with CommDebugMode() as comm:

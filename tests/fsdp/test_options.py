@@ -12,8 +12,18 @@ from tide_core.transport.cuda import CudaOptions
 
 
 def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
-    config = TIDEConfig(mode="slot_reuse", sum_kernel="regs", chunk_mib=2.0, copy_lanes=3, rail="p2p", wave_width=2,
-                        timeout_s=7.0, abort_on_stall=False, heartbeat_s=0.5, peer_dead_s=5.0)
+    config = TIDEConfig(
+        mode="slot_reuse",
+        sum_kernel="regs",
+        chunk_mib=2.0,
+        copy_lanes=3,
+        rail="p2p",
+        wave_width=2,
+        timeout_s=7.0,
+        abort_on_stall=False,
+        heartbeat_s=0.5,
+        peer_dead_s=5.0,
+    )
     options = cuda_options(config)
     assert options.recycle_outbox and not cuda_options(TIDEConfig(mode="in_place")).recycle_outbox
     for field in dataclasses.fields(CudaOptions):
@@ -22,16 +32,19 @@ def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
     assert options.protocol()["options.recycle_outbox"] is True and "options.chunk_mib" in options.protocol()
 
 
-@pytest.mark.parametrize("bad,message", [
-    ({"sum_kernel": "fast"}, "sum_kernel='fast' is not supported; choose one of auto, tma, regs"),
-    ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl, nccl_rma"),
-    ({"local_copy": "dma"}, "local_copy='dma' is not supported; choose one of kernel, ce"),
-    ({"copy_lanes": 0}, "copy_lanes=0 must be an integer >= 1"),
-    ({"chunk_mib": 0}, "chunk_mib=0 must be > 0"),
-    ({"timeout_s": 0}, "timeout_s=0 must be > 0 or None"),
-    ({"heartbeat_s": 0}, "heartbeat_s=0 must be > 0"),
-    ({"peer_dead_s": 1.0}, "peer_dead_s=1.0 must exceed two heartbeats"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ({"sum_kernel": "fast"}, "sum_kernel='fast' is not supported; choose one of auto, tma, regs"),
+        ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl, nccl_rma"),
+        ({"local_copy": "dma"}, "local_copy='dma' is not supported; choose one of kernel, ce"),
+        ({"copy_lanes": 0}, "copy_lanes=0 must be an integer >= 1"),
+        ({"chunk_mib": 0}, "chunk_mib=0 must be > 0"),
+        ({"timeout_s": 0}, "timeout_s=0 must be > 0 or None"),
+        ({"heartbeat_s": 0}, "heartbeat_s=0 must be > 0"),
+        ({"peer_dead_s": 1.0}, "peer_dead_s=1.0 must exceed two heartbeats"),
+    ],
+)
 def test_bad_transport_options_are_rejected_by_the_options_and_the_config_alike(bad, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         CudaOptions(**bad)

@@ -50,8 +50,9 @@ def test_patched_functions_have_the_recorded_parameters_and_kinds():
         params = inspect.signature(fn).parameters
         assert list(params) == expected, name
         keyword_only = [p for p, v in params.items() if v.kind is inspect.Parameter.KEYWORD_ONLY]
-        assert keyword_only == (["prepare_reduce_scatter_inputs"] if name == "foreach_reduce" and
-                                profile.copy_out_hook else []), name
+        assert keyword_only == (
+            ["prepare_reduce_scatter_inputs"] if name == "foreach_reduce" and profile.copy_out_hook else []
+        ), name
     # The functions TIDE does not patch in this version are still what FSDP2 calls.
     copy_out = inspect.signature(collectives.foreach_all_gather_copy_out).parameters
     if profile.copy_out_hook:
@@ -60,7 +61,10 @@ def test_patched_functions_have_the_recorded_parameters_and_kinds():
         assert copy_out["all_gather_output_fn"].kind is inspect.Parameter.KEYWORD_ONLY
         assert copy_out["all_gather_output_fn"].default is collectives._default_all_gather_output_fn
         assert list(inspect.signature(collectives._default_all_gather_output_fn).parameters) == [
-            "fsdp_params", "all_gather_result", "world_size"]
+            "fsdp_params",
+            "all_gather_result",
+            "world_size",
+        ]
     else:
         assert list(copy_out) == ["all_gather_result", "fsdp_params", "group"]
 
@@ -68,7 +72,7 @@ def test_patched_functions_have_the_recorded_parameters_and_kinds():
 def test_reduce_return_arity_matches_the_profile():
     collectives, _, _ = _modules()
     annotation = str(inspect.signature(collectives.foreach_reduce).return_annotation)
-    inner = annotation[annotation.index("[") + 1: annotation.rindex("]")]  # flat: "Tensor, Event, X | None, ..."
+    inner = annotation[annotation.index("[") + 1 : annotation.rindex("]")]  # flat: "Tensor, Event, X | None, ..."
     entries = [e for e in inner.split(",") if e.strip()]
     assert len(entries) == (7 if _profile().reduce_returns_stream else 6), annotation
     assert ("torch.Stream" in annotation) == _profile().reduce_returns_stream
@@ -77,12 +81,22 @@ def test_reduce_return_arity_matches_the_profile():
 def test_helpers_tide_calls_keep_their_signatures():
     collectives, fsdp_param, _ = _modules()
     assert list(collectives.AllGatherResult._fields) == [
-        "all_gather_output", "all_gather_event", "all_gather_work", "param_all_gather_input_dtypes",
-        "param_all_gather_input_numels", "all_gather_input_split_sizes"]
+        "all_gather_output",
+        "all_gather_event",
+        "all_gather_work",
+        "param_all_gather_input_dtypes",
+        "param_all_gather_input_numels",
+        "all_gather_input_split_sizes",
+    ]
     assert list(inspect.signature(collectives._get_param_all_gather_inputs).parameters) == ["fsdp_params"]
     assert list(inspect.signature(collectives._get_gradient_divide_factors).parameters) == [
-        "reduce_scatter_group", "all_reduce_group", "reduce_dtype", "device_type", "factor",
-        "force_sum_reduction_for_comms"]
+        "reduce_scatter_group",
+        "all_reduce_group",
+        "reduce_dtype",
+        "device_type",
+        "factor",
+        "force_sum_reduction_for_comms",
+    ]
     for name in compat.FSDP_PARAM_METHODS:
         assert callable(getattr(fsdp_param.FSDPParam, name)), name
     for name in ("free_unsharded_param", "alloc_all_gather_outputs", "init_unsharded_param"):
@@ -101,7 +115,7 @@ def test_unknown_torch_falls_back_and_warns_once_naming_the_tested_versions(monk
     assert "torch 9.1.0 is not a version TIDE knows" in first[1]
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages  # once per process, however many installs
-    tested = ", ".join("%d.%d" % v for v in compat.SUPPORTED_VERSIONS)
+    tested = ", ".join(f"{v[0]}.{v[1]}" for v in compat.SUPPORTED_VERSIONS)
     assert f"tested on torch {tested}" in messages[0]
     assert sum("tested on torch" in r.getMessage() for r in caplog.records) == 1
 
@@ -120,8 +134,11 @@ def _group_attributes(rank, world_size):
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     reasons = {name: compat.ineligible(pg, names) for name, pg, _ in found}
     group_attr = "_fsdp_param_group" if _profile().single_param_group else "_fsdp_param_groups"
-    missing += [f"state.{group_attr}" for m in model.modules()
-                if hasattr(m, "_get_fsdp_state") and not hasattr(m._get_fsdp_state(), group_attr)]
+    missing += [
+        f"state.{group_attr}"
+        for m in model.modules()
+        if hasattr(m, "_get_fsdp_state") and not hasattr(m._get_fsdp_state(), group_attr)
+    ]
     hooks = {name: getattr(pg, "_all_gather_output_fn", None) for name, pg, _ in found}
     return len(found), missing, reasons, {k: getattr(v, "__name__", None) for k, v in hooks.items()}
 
@@ -137,14 +154,23 @@ def test_groups_have_every_attribute_tide_reads():
 def _lookups_and_landing_contract(rank, world_size):
     """Where FSDP2 looks its collectives up, and how it builds parameters over all-gather outputs."""
     collectives, _, param_group_module = _modules()
-    calls = {name: 0 for name in ("foreach_all_gather", "foreach_all_gather_copy_out", "foreach_reduce",
-                                  "output_fn", "free_unsharded_param")}
+    calls = {
+        name: 0
+        for name in (
+            "foreach_all_gather",
+            "foreach_all_gather_copy_out",
+            "foreach_reduce",
+            "output_fn",
+            "free_unsharded_param",
+        )
+    }
     originals = {name: getattr(param_group_module, name) for name in _profile().patched}
 
     def counting(name):
         def wrapper(*args, **kwargs):
             calls[name] += 1
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     for name in originals:
@@ -153,9 +179,11 @@ def _lookups_and_landing_contract(rank, world_size):
     groups = [pg for _, pg, _ in compat.fsdp_param_groups(model)]
     block = groups[1]
     if _profile().copy_out_hook:
+
         def output_fn(fsdp_params, all_gather_result, world_size):
             calls["output_fn"] += 1
             collectives._default_all_gather_output_fn(fsdp_params, all_gather_result, world_size)
+
         for pg in groups:
             pg._all_gather_output_fn = output_fn
     fp0 = block.fsdp_params[0]
@@ -218,7 +246,9 @@ def _reduce_tail(rank, world_size, mp):
     model = build(mp=mp)
     hook_calls = {}
     for name, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, name=name: hook_calls.__setitem__(name, hook_calls.get(name, 0) + 1))
+        p.register_post_accumulate_grad_hook(
+            lambda p, name=name: hook_calls.__setitem__(name, hook_calls.get(name, 0) + 1)
+        )
     try:
         loss_fn(model, batches(rank, 1)[0]).backward()
     finally:
@@ -245,14 +275,16 @@ def _reduce_tail(rank, world_size, mp):
             local = grad._local_tensor
             rows = fp.padded_sharded_param_size[0]
             chunk = torch.zeros(fp.padded_sharded_param_size, dtype=torch.float32)
-            part = ref[rank * rows: (rank + 1) * rows]
+            part = ref[rank * rows : (rank + 1) * rows]
             chunk[: part.shape[0]] = part
             expected = chunk[: fp.sharded_size[0]]
             if out_dtype is not None:
                 expected = expected.to(out_dtype)
             if local.dtype != expected.dtype or not torch.equal(local, expected):
-                problems.append(f"{fp._param_fqn}: stock grad differs from the reference "
-                                f"({local.dtype}, max {(local.float() - expected.float()).abs().max()})")
+                problems.append(
+                    f"{fp._param_fqn}: stock grad differs from the reference "
+                    f"({local.dtype}, max {(local.float() - expected.float()).abs().max()})"
+                )
             bases.add(id(local._base))
             if local._base is not None and local.storage_offset() - local._base.storage_offset() != offset:
                 problems.append(f"{fp._param_fqn}: not at the packed offset {offset}")
@@ -269,8 +301,12 @@ def _reduce_tail(rank, world_size, mp):
         compat.set_sharded_grads(fsdp_params, packed, offsets, None, accumulated=False)
         for fp, s in zip(fsdp_params, stock):
             g = fp.sharded_param.grad
-            if (type(g) is not type(s) or g.placements != s.placements or g.dtype != s.dtype
-                    or not torch.equal(g._local_tensor, s._local_tensor)):
+            if (
+                type(g) is not type(s)
+                or g.placements != s.placements
+                or g.dtype != s.dtype
+                or not torch.equal(g._local_tensor, s._local_tensor)
+            ):
                 problems.append(f"{fp._param_fqn}: TIDE's tail differs from stock's")
             fp.sharded_param.grad = s
     # TIDE's tail ran each parameter's hooks once more.
@@ -303,11 +339,21 @@ def _accumulation(rank, world_size):
         bases.append(compat.packed_sharded_grad_base(fps, offsets, total))
         firsts.append([fp.sharded_param.grad._local_tensor.clone() for fp in fps])
     loss_fn(model, data[1]).backward()
-    same_base = all(b is not None and compat.packed_sharded_grad_base(
-        pg.fsdp_params, [fp.sharded_param.grad._local_tensor.storage_offset() - b.storage_offset()
-                         for fp in pg.fsdp_params], b.numel()) is b for pg, b in zip(groups, bases))
-    changed = all(not torch.equal(fp.sharded_param.grad._local_tensor, f)
-                  for pg, fs in zip(groups, firsts) for fp, f in zip(pg.fsdp_params, fs))
+    same_base = all(
+        b is not None
+        and compat.packed_sharded_grad_base(
+            pg.fsdp_params,
+            [fp.sharded_param.grad._local_tensor.storage_offset() - b.storage_offset() for fp in pg.fsdp_params],
+            b.numel(),
+        )
+        is b
+        for pg, b in zip(groups, bases)
+    )
+    changed = all(
+        not torch.equal(fp.sharded_param.grad._local_tensor, f)
+        for pg, fs in zip(groups, firsts)
+        for fp, f in zip(pg.fsdp_params, fs)
+    )
     return all(b is not None for b in bases), same_base, changed
 
 
@@ -330,16 +376,24 @@ def _install_touches(rank, world_size):
     finally:
         del os.environ["TIDE_MAX_PARAMS"]
     replaced = sorted(n for n in names if getattr(param_group_module, n) is not getattr(collectives, n))
-    hooks = {e.name: getattr(pg, "_all_gather_output_fn", None) is compat._tide_all_gather_output_fn
-             for e, (_, pg, _) in zip(handle.entries, compat.fsdp_param_groups(model))}
+    hooks = {
+        e.name: getattr(pg, "_all_gather_output_fn", None) is compat._tide_all_gather_output_fn
+        for e, (_, pg, _) in zip(handle.entries, compat.fsdp_param_groups(model))
+    }
     stashed = sum("_tide_group" in fp.__dict__ for _, pg, _ in compat.fsdp_param_groups(model) for fp in pg.fsdp_params)
     loss_fn(model, batches(rank, 1)[0]).backward()
     tide_core.uninstall(model)
     restored = all(getattr(param_group_module, n) is getattr(collectives, n) for n in names)
-    hooks_after = [getattr(pg, "_all_gather_output_fn", collectives.__dict__.get("_default_all_gather_output_fn"))
-                   is collectives.__dict__.get("_default_all_gather_output_fn") for _, pg, _ in compat.fsdp_param_groups(model)]
-    left = sum(any(k in fp.__dict__ for k in ("_tide_group", "alloc_all_gather_outputs", "free_unsharded_param"))
-               for _, pg, _ in compat.fsdp_param_groups(model) for fp in pg.fsdp_params)
+    hooks_after = [
+        getattr(pg, "_all_gather_output_fn", collectives.__dict__.get("_default_all_gather_output_fn"))
+        is collectives.__dict__.get("_default_all_gather_output_fn")
+        for _, pg, _ in compat.fsdp_param_groups(model)
+    ]
+    left = sum(
+        any(k in fp.__dict__ for k in ("_tide_group", "alloc_all_gather_outputs", "free_unsharded_param"))
+        for _, pg, _ in compat.fsdp_param_groups(model)
+        for fp in pg.fsdp_params
+    )
     return replaced, hooks, stashed, restored, all(hooks_after), left
 
 

@@ -8,13 +8,13 @@ import json
 import os
 import sys
 
+import lightning as L
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-
-import lightning as L
-import tide_lightning  # noqa: F401  (registers "tide_fsdp")
 from lightning.pytorch.strategies import ModelParallelStrategy
+
+import tide_lightning  # noqa: F401  (registers "tide_fsdp")
 
 
 class Block(nn.Module):
@@ -94,22 +94,39 @@ def trainer_run(args) -> dict:
     L.seed_everything(0, verbose=False)
     module = Module(shard_in_configure_model=not args.auto_wrap, steps=args.steps)
     if args.strategy != "stock" and args.auto_wrap:
-        strategy = tide_lightning.TIDEFSDPStrategy(param_dtype=None, reduce_dtype=None, block_classes="Block",
-                                                   mode="slot_reuse" if "slot" in args.strategy else "in_place")
+        strategy = tide_lightning.TIDEFSDPStrategy(
+            param_dtype=None,
+            reduce_dtype=None,
+            block_classes="Block",
+            mode="slot_reuse" if "slot" in args.strategy else "in_place",
+        )
     logger = False
     if args.csv:
         from lightning.pytorch.loggers import CSVLogger
 
         logger = CSVLogger(args.csv, name="run", version=0)
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=logger,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        use_distributed_sampler=False, log_every_n_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=logger,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        log_every_n_steps=1,
+    )
     trainer.fit(module, ckpt_path=args.resume)
     if args.save:
         trainer.save_checkpoint(args.save)
     handle = getattr(trainer.strategy, "tide_handle", None)
-    return {"losses": module.losses, "served": len(handle.served_groups) if handle else 0,
-            "strategy": type(trainer.strategy).__name__, "mode": handle.config.mode if handle else None}
+    return {
+        "losses": module.losses,
+        "served": len(handle.served_groups) if handle else 0,
+        "strategy": type(trainer.strategy).__name__,
+        "mode": handle.config.mode if handle else None,
+    }
 
 
 def fabric_run(args) -> dict:
@@ -120,8 +137,9 @@ def fabric_run(args) -> dict:
 
         from tide_core.fsdp.autoshard import shard_model
 
-        strategy = FabricModelParallel(lambda m, mesh: shard_model(m, mesh["data_parallel"]), data_parallel_size=2,
-                                       tensor_parallel_size=1)
+        strategy = FabricModelParallel(
+            lambda m, mesh: shard_model(m, mesh["data_parallel"]), data_parallel_size=2, tensor_parallel_size=1
+        )
     else:
         strategy = args.strategy  # registered name: same sharding (blocks, then root; bf16 params)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
@@ -142,8 +160,11 @@ def fabric_run(args) -> dict:
         state = {"model": model, "optimizer": opt}
         fabric.load(args.save, state)
     handle = getattr(fabric.strategy, "tide_handle", None)
-    return {"losses": losses, "served": len(handle.served_groups) if handle else 0,
-            "strategy": type(fabric.strategy).__name__}
+    return {
+        "losses": losses,
+        "served": len(handle.served_groups) if handle else 0,
+        "strategy": type(fabric.strategy).__name__,
+    }
 
 
 if __name__ == "__main__":

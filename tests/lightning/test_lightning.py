@@ -18,7 +18,7 @@ def run_app(*args, timeout=180) -> dict:
     proc = subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_trainer_fit_with_registered_strategy_matches_stock():
@@ -68,13 +68,16 @@ def test_fabric_strategy_trains_and_checkpoints(tmp_path):
     assert out["losses"] == pytest.approx(stock["losses"], abs=1e-6)  # bf16 params, fp32 reduce, 2 ranks
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    ({"mode": "fast"}, "mode='fast' is not supported; choose one of in_place, slot_reuse"),
-    ({"transport": "nvshmem"}, "transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
-    ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported"),
-    ({"param_dtype": "int8"}, "param_dtype='int8' is not a dtype"),
-    ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes' must be"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"mode": "fast"}, "mode='fast' is not supported; choose one of in_place, slot_reuse"),
+        ({"transport": "nvshmem"}, "transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported"),
+        ({"param_dtype": "int8"}, "param_dtype='int8' is not a dtype"),
+        ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes' must be"),
+    ],
+)
 def test_bad_strategy_options_name_the_option(kwargs, fragment):
     from tide_lightning import TIDEFSDPStrategy
 

@@ -24,7 +24,7 @@ def test_bruck_coverage_for_every_node_count_up_to_1024():
         # Slot contents: simulate what every node holds (exact for M <= 256, node 0 and M-1 above).
         watch = range(M) if M <= 256 else (0, M - 1)
         held = {n: [n] for n in range(M)} if M <= 256 else None
-        for d, transfers in enumerate(rounds):
+        for _d, transfers in enumerate(rounds):
             if held is not None:
                 incoming = [(t.dst_node, held[t.src_node][: t.num_slots], t.shard_nodes) for t in transfers]
                 for dst, sent, named in incoming:
@@ -102,8 +102,9 @@ def test_plan_rejects_mismatched_world_size():
 def test_balanced_lanes_hold_every_peer_push_once_and_differ_by_at_most_the_largest(lanes):
     rng = np.random.default_rng(lanes)
     topo = Topology(1, 4)
-    lay = GroupLayout.from_shapes([(int(rng.integers(1, 200)), int(rng.integers(1, 9))) for _ in range(13)],
-                                  world_size=4)
+    lay = GroupLayout.from_shapes(
+        [(int(rng.integers(1, 200)), int(rng.integers(1, 9))) for _ in range(13)], world_size=4
+    )
     plan = allgather_plan(lay, topo, rank=1)
     pushes = [p for p in plan.local_pushes if p.dst_local != 1]
     out = balance_lanes(pushes, lanes)

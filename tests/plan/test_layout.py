@@ -29,13 +29,15 @@ def test_landing_tiles_the_group_buffer_exactly(seed):
     # include D_p < N and D_p not divisible by N
     shapes.append((max(1, N - 1), 3))
     lay = GroupLayout.from_shapes(shapes, world_size=N, itemsize=rng.choice([1, 2, 4]))
-    ranges = sorted((lay.landing(p, r), lay.landing(p, r) + lay.shard_bytes(p)) for p in range(lay.num_params) for r in range(N))
+    ranges = sorted(
+        (lay.landing(p, r), lay.landing(p, r) + lay.shard_bytes(p)) for p in range(lay.num_params) for r in range(N)
+    )
     pos = 0
     for lo, hi in ranges:
         assert lo == pos
         pos = hi
     assert pos == lay.group_bytes == N * lay.total_shard_bytes
-    for p, (d, k) in enumerate(shapes):
+    for p, (d, _k) in enumerate(shapes):
         assert lay.padded_rows(p) == math.ceil(d / N)
         assert sum(lay.valid_rows(p, r) for r in range(N)) == d
         assert lay.landing(p, 0) == lay.shard_offset(p) * N

@@ -42,8 +42,7 @@ def test_solver_reproduces_paper_choice():
     # 8 nodes, L = 8, a Llama-3.1-70B block's fp32 output (~53 MB): four sum CTAs and k = 4 (Section 6.3)
     res = solve(nodes=8, gpus_per_node=8, output_bytes_fp32=53_500_000)
     assert res.sum_ctas == 4 and res.round_width == 4 and res.num_rounds == 2
-    fast_rounds = solve(nodes=8, gpus_per_node=8, output_bytes_fp32=53_500_000,
-                        calibration=Calibration(t_round=1e-6))
+    fast_rounds = solve(nodes=8, gpus_per_node=8, output_bytes_fp32=53_500_000, calibration=Calibration(t_round=1e-6))
     assert fast_rounds.round_width == 2  # round overhead negligible: no widening
     single = solve(nodes=1, gpus_per_node=2, output_bytes_fp32=1 << 26)
     assert single.num_rounds == 0 and single.landing_ctas == 0
@@ -77,10 +76,36 @@ def test_cli_labels_its_columns_and_keeps_paper_references_behind_verbose(capsys
     assert main(args) == 0
     out = capsys.readouterr().out
     header = next(line for line in out.splitlines() if line.startswith("group"))
-    assert header.split() == ["group", "count", "params", "shard/rank", "gathered", "AG", "rounds", "AG", "copies",
-                              "AG", "stage", "RS", "waves", "RS", "rounds", "RS", "copies"]
-    for label in ("count:", "params:", "shard/rank:", "gathered:", "AG rounds:", "AG copies:", "AG stage:",
-                  "RS waves / RS rounds:", "RS copies:"):
+    assert header.split() == [
+        "group",
+        "count",
+        "params",
+        "shard/rank",
+        "gathered",
+        "AG",
+        "rounds",
+        "AG",
+        "copies",
+        "AG",
+        "stage",
+        "RS",
+        "waves",
+        "RS",
+        "rounds",
+        "RS",
+        "copies",
+    ]
+    for label in (
+        "count:",
+        "params:",
+        "shard/rank:",
+        "gathered:",
+        "AG rounds:",
+        "AG copies:",
+        "AG stage:",
+        "RS waves / RS rounds:",
+        "RS copies:",
+    ):
         assert label in out, label  # every column is explained under the table
     assert not any(word in out for word in ("mcast", "multicast", "Eq.", "Appendix"))
     assert main(args + ["--verbose"]) == 0
@@ -115,8 +140,9 @@ def test_multinode_estimates_add_up_by_hand():
     assert ag.total == max(30.0, 56.0 - 28.0) + 28.0
     # fp32 output E4 = 400 bytes, bf16 gradients: 3 partials over the rail, 4 * 7 * 200 bytes pushed,
     # 4 partials of (8 * 2 / 4 + 1) * 400 bytes of sum traffic, a landing over 5 blocks
-    rs = estimate_reduce_scatter(nodes=4, gpus_per_node=8, output_bytes_fp32=400, bw_rail=nic, bw_copy=ce,
-                                 bw_sum_total=sums)
+    rs = estimate_reduce_scatter(
+        nodes=4, gpus_per_node=8, output_bytes_fp32=400, bw_rail=nic, bw_copy=ce, bw_sum_total=sums
+    )
     assert (rs.rail, rs.node_links, rs.sums, rs.tail) == (120.0, 112.0, 40.0, 10.0)
     assert rs.total == 130.0
     single = estimate_all_gather(nodes=1, gpus_per_node=8, shard_bytes=S, bw_rail=nic, bw_copy=ce)

@@ -66,18 +66,26 @@ def test_inbox_gpu_is_eq8_and_rounds_are_wave_aligned():
             assert plan.inbox_gpu(s, c) == (s - (c % 11)) % 4 == inbox_gpu(s, c, 11, 4)
     assert plan.waves == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11]]
     assert [(r.wave, r.contributors) for r in plan.rounds] == [
-        (0, (1, 2, 3)), (0, (4,)), (1, (5, 6, 7)), (1, (8,)), (2, (9, 10))]
+        (0, (1, 2, 3)),
+        (0, (4,)),
+        (1, (5, 6, 7)),
+        (1, (8,)),
+        (2, (9, 10)),
+    ]
     assert plan.generations == 2
     assert plan.outbox_depth == 10
     assert latin_square_plan(11, 4, 4, 3, memory_efficient=True).outbox_depth == 4  # Eq. 9: max k_i + k_{i-1}
 
 
-@pytest.mark.parametrize("kwargs, fragment", [
-    (dict(nodes=4, gpus_per_node=8, wave_width=9), "wave_width=9"),
-    (dict(nodes=4, gpus_per_node=8, wave_width=0), "wave_width=0"),
-    (dict(nodes=0, gpus_per_node=8), "nodes=0"),
-    (dict(nodes=4, gpus_per_node=8, round_width=0), "round_width=0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        (dict(nodes=4, gpus_per_node=8, wave_width=9), "wave_width=9"),
+        (dict(nodes=4, gpus_per_node=8, wave_width=0), "wave_width=0"),
+        (dict(nodes=0, gpus_per_node=8), "nodes=0"),
+        (dict(nodes=4, gpus_per_node=8, round_width=0), "round_width=0"),
+    ],
+)
 def test_bad_latin_square_arguments(kwargs, fragment):
     with pytest.raises(PlanError, match=fragment):
         latin_square_plan(**kwargs)
@@ -147,7 +155,9 @@ def test_chunk_pieces_split_every_copy_exactly_once(seed):
     rng = np.random.default_rng(seed)
     topo = Topology(int(rng.integers(1, 3)), int(rng.integers(2, 5)))
     N = topo.world_size
-    lay = GroupLayout.from_shapes([(int(rng.integers(1, 5 * N)), int(rng.integers(1, 40))) for _ in range(7)], world_size=N)
+    lay = GroupLayout.from_shapes(
+        [(int(rng.integers(1, 5 * N)), int(rng.integers(1, 40))) for _ in range(7)], world_size=N
+    )
     chunk_elems = 8 * int(rng.integers(4, 60))
     piece_elems = 8 * int(rng.integers(1, 12))
     for sender in range(N):
@@ -159,9 +169,13 @@ def test_chunk_pieces_split_every_copy_exactly_once(seed):
             assert all(a[1] == b[0] and a[1] - a[0] == piece_elems for a, b in zip(bounds, bounds[1:]))
             pieces = split_copies(group, bounds)
             before = {(cp.param, cp.src_offset + i, cp.staging_offset + i) for cp in group for i in range(cp.length)}
-            after = [(cp.param, cp.src_offset + i, cp.staging_offset + i)
-                     for (lo, hi), part in zip(bounds, pieces) for cp in part for i in range(cp.length)
-                     if lo <= cp.staging_offset + i < hi]
+            after = [
+                (cp.param, cp.src_offset + i, cp.staging_offset + i)
+                for (lo, hi), part in zip(bounds, pieces)
+                for cp in part
+                for i in range(cp.length)
+                if lo <= cp.staging_offset + i < hi
+            ]
             assert len(after) == sum(cp.length for part in pieces for cp in part)  # nothing outside its piece
             assert sorted(after) == sorted(before)
     assert chunk_pieces(100, 0) == [(0, 100)] and chunk_pieces(100, 104) == [(0, 100)]
@@ -200,8 +214,18 @@ def test_simulated_reduce_scatter_matches_fp64(M, L, wave_width):
     lay, grads = _random_case(rng, topo.world_size)
     prev = [rng.standard_normal(lay.total_shard_numel).astype(np.float32) for _ in range(topo.world_size)]
     for accumulate, alpha in ((False, 1.0), (True, 0.37)):
-        res = simulate_reduce_scatter(lay, topo, grads, alpha=alpha, accumulate=accumulate, outputs=prev,
-                                      wave_width=wave_width, round_width=2, chunk_elems=int(rng.integers(3, 50)), calls=2)
+        res = simulate_reduce_scatter(
+            lay,
+            topo,
+            grads,
+            alpha=alpha,
+            accumulate=accumulate,
+            outputs=prev,
+            wave_width=wave_width,
+            round_width=2,
+            chunk_elems=int(rng.integers(3, 50)),
+            calls=2,
+        )
         ref = reference_reduce_scatter_fp64(lay, grads, alpha=alpha, accumulate=accumulate, outputs=prev)
         for r in range(topo.world_size):
             tol = 1e-5 * max(1.0, np.abs(ref[r]).max())
@@ -249,8 +273,9 @@ def test_split_launches_cover_each_range_in_order_with_bounded_segments(seed):
     every segment element in the range lies in a launch that lists its segment."""
     rng = np.random.default_rng(seed)
     N = int(rng.integers(1, 5))
-    lay = GroupLayout.from_shapes([(int(rng.integers(1, 6 * N)), int(rng.integers(1, 9))) for _ in range(20)],
-                                  world_size=N)
+    lay = GroupLayout.from_shapes(
+        [(int(rng.integers(1, 6 * N)), int(rng.integers(1, 9))) for _ in range(20)], world_size=N
+    )
     chunk_elems = 8 * int(rng.integers(8, 40))
     limit = int(rng.integers(8, 12))  # >= 8: at most 8 segments start in one 8-element unit
     for chunk in chunk_segments(lay, 0, chunk_elems):
@@ -261,8 +286,11 @@ def test_split_launches_cover_each_range_in_order_with_bounded_segments(seed):
             for first, count, segments in launches:
                 assert 1 <= len(segments) <= limit
                 for e in range(first, first + count):
-                    owner = [s for s in chunk.segments
-                             if s.out_offset - chunk.start <= e < s.out_offset - chunk.start + s.length]
+                    owner = [
+                        s
+                        for s in chunk.segments
+                        if s.out_offset - chunk.start <= e < s.out_offset - chunk.start + s.length
+                    ]
                     assert owner and owner[0] in segments
     with pytest.raises(PlanError, match="max_segments"):
         split_launches(chunk, 0, chunk.length, 0)
@@ -280,8 +308,9 @@ def test_level1_steps_push_each_copy_once_and_sum_in_the_planned_order(M, L):
     topo = Topology(M, L)
     N = topo.world_size
     rng = np.random.default_rng(M * 10 + L)
-    lay = GroupLayout.from_shapes([(int(rng.integers(1, 5 * N)), int(rng.integers(1, 30))) for _ in range(9)],
-                                  world_size=N)
+    lay = GroupLayout.from_shapes(
+        [(int(rng.integers(1, 5 * N)), int(rng.integers(1, 30))) for _ in range(9)], world_size=N
+    )
     for rank in range(N):
         steps = level1_steps(lay, topo, rank, chunk_elems=64, piece_elems=16, max_segments=3)
         assert [s.contributor for s in steps] == list(range(1, M + 1))

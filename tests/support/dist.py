@@ -40,8 +40,15 @@ class DistributedTestError(AssertionError):
 
 def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
     os.environ.update(env)
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+        }
+    )
     import faulthandler
 
     import torch
@@ -52,8 +59,13 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
+        )
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException:  # report everything, including assertion failures, to the parent
@@ -66,8 +78,16 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
             pass
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 120, backend: str = "gloo",
-                    env: dict | None = None, exits: dict[int, int] | None = None) -> list:
+def run_distributed(
+    fn,
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout: float = 120,
+    backend: str = "gloo",
+    env: dict | None = None,
+    exits: dict[int, int] | None = None,
+) -> list:
     ctx = _context()
     port = free_port()
     results = ctx.Queue()
@@ -75,7 +95,9 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
     if backend == "nccl":
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # more hardware queues for TIDE's streams
     procs = [
-        ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, args, results, env, timeout), daemon=True)
+        ctx.Process(
+            target=_worker, args=(fn, rank, world_size, port, backend, args, results, env, timeout), daemon=True
+        )
         for rank in range(world_size)
     ]
     for p in procs:
@@ -96,8 +118,9 @@ def run_distributed(fn, world_size: int, args: tuple = (), *, timeout: float = 1
             except queue_module.Empty:
                 if all(not p.is_alive() for p in procs) and results.empty():
                     break
-                if exits and all(r in exits and procs[r].exitcode == exits[r] for r in range(world_size)
-                                 if r not in outcome):
+                if exits and all(
+                    r in exits and procs[r].exitcode == exits[r] for r in range(world_size) if r not in outcome
+                ):
                     break  # only the ranks expected to exit are missing, and they did
                 continue
             outcome[rank] = (ok, value)

@@ -42,7 +42,7 @@ class EmuEvent:
 
 
 class EmuStream:
-    def __init__(self, device: "EmulatedDevice", name: str, shared: "EmuStream | None" = None):
+    def __init__(self, device: EmulatedDevice, name: str, shared: EmuStream | None = None):
         self.device = device
         if shared is not None:  # hardware-queue aliasing: this stream's work joins another's FIFO
             self.q, self.thread = shared.q, shared.thread
@@ -90,8 +90,14 @@ class EmulatedDevice:
     max_segments = 5  # small, so chunk launches really get split in tests
     max_sources = 16
 
-    def __init__(self, sum_delay_s: float = 0.0, hardware_queues: int | None = None, copy_delay_s: float = 0.0,
-                 push_delay_s: float = 0.0, segmented: bool = False):
+    def __init__(
+        self,
+        sum_delay_s: float = 0.0,
+        hardware_queues: int | None = None,
+        copy_delay_s: float = 0.0,
+        push_delay_s: float = 0.0,
+        segmented: bool = False,
+    ):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
         ``sum_delay_s`` / ``copy_delay_s`` / ``push_delay_s``: slow sum kernels / copy kernels and 2-D
@@ -192,8 +198,9 @@ class EmulatedDevice:
         if self.segmented and recorder.has_host_steps:
             from tide_core.runtime.device import SegmentedProgram
 
-            return SegmentedProgram(self, EmulatedNativeLib(self), recorder, outputs, ring, 0,
-                                    wrap=lambda lib, event, program: event)
+            return SegmentedProgram(
+                self, EmulatedNativeLib(self), recorder, outputs, ring, 0, wrap=lambda lib, event, program: event
+            )
         return ReplayedProgram(self, recorder, outputs)
 
     def write_flags(self, stream, addresses, value):
@@ -233,7 +240,11 @@ class EmulatedDevice:
                 raw = np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(address))
                 return (raw.astype(np.uint32) << 16).view(np.float32)
             if dtype == torch.float16:
-                return np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(address)).view(np.float16).astype(np.float32)
+                return (
+                    np.ctypeslib.as_array((ctypes.c_uint16 * n).from_address(address))
+                    .view(np.float16)
+                    .astype(np.float32)
+                )
             return np.ctypeslib.as_array((ctypes.c_float * n).from_address(address)).copy()
 
         def run():
@@ -275,7 +286,7 @@ class EmulatedNativeLib:
     def __init__(self, device: EmulatedDevice):
         self.device = device
 
-    def StreamProgram(self, num_events: int) -> "EmulatedStreamProgram":
+    def StreamProgram(self, num_events: int) -> EmulatedStreamProgram:
         return EmulatedStreamProgram(self.device, num_events)
 
     def stream_wait_event(self, stream, event) -> None:

@@ -32,11 +32,15 @@ def layout_for(shapes, world_size: int, itemsize: int) -> GroupLayout:
 
 def all_shards(seed: int, layout: GroupLayout, dtype: torch.dtype) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [[torch.randn(layout.shard_numel(p), generator=g).to(dtype) for p in range(layout.num_params)]
-            for _ in range(layout.world_size)]
+    return [
+        [torch.randn(layout.shard_numel(p), generator=g).to(dtype) for p in range(layout.num_params)]
+        for _ in range(layout.world_size)
+    ]
 
 
-def all_grads(seed: int, shapes, world_size: int, dtype: torch.dtype, integer: bool = False) -> list[list[torch.Tensor]]:
+def all_grads(
+    seed: int, shapes, world_size: int, dtype: torch.dtype, integer: bool = False
+) -> list[list[torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(world_size):

@@ -8,7 +8,14 @@ import torch
 import torch.distributed as dist
 
 from tests.support.dist import run_distributed
-from tests.transport.cases import all_grads, all_shards, expected_unsharded, fp64_reduce_scatter, layout_for, random_shapes
+from tests.transport.cases import (
+    all_grads,
+    all_shards,
+    expected_unsharded,
+    fp64_reduce_scatter,
+    layout_for,
+    random_shapes,
+)
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
 from tide_core.fsdp.options import cuda_options
@@ -31,7 +38,9 @@ def _suite(rank, world_size, seed):
     report = {"max_rel_err": 0.0, "ag_cases": 0, "rs_cases": 0}
     rng = np.random.default_rng(seed)
     # many chunks, each in 2 pieces with their own arrival signals
-    small = CudaTransport(topo, options=CudaOptions(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625))
+    small = CudaTransport(
+        topo, options=CudaOptions(chunk_mib=0.0625, chunk_slots=2, timeout_s=60, sum_slice_mib=0.0625)
+    )
     big = CudaTransport(topo, options=CudaOptions(timeout_s=60))
     ref = ReferenceTransport(topo)
     slot = 0
@@ -130,8 +139,10 @@ def _suite(rank, world_size, seed):
 def test_cuda_transport_bitwise_equal_to_reference_and_fp64():
     reports = run_distributed(_suite, _gpus(), args=(7,), backend="nccl", timeout=150)
     worst = max(r["max_rel_err"] for r in reports)
-    print(f"\ncuda transport: {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} RS cases bitwise equal to the "
-          f"reference transport; max rel err vs fp64 {worst:.3e}; staging {reports[0]['staging_bytes']} B")
+    print(
+        f"\ncuda transport: {reports[0]['ag_cases']} AG and {reports[0]['rs_cases']} RS cases bitwise equal to the "
+        f"reference transport; max rel err vs fp64 {worst:.3e}; staging {reports[0]['staging_bytes']} B"
+    )
     assert reports[0]["reserved_bytes"] >= reports[0]["arena_bytes"]  # arena counted by torch's allocator
 
 
@@ -141,8 +152,11 @@ def _faults(rank, world_size, fault, faulty_rank):
 
     dev = torch.device("cuda", rank)
     topo = Topology(1, world_size)
-    t = CudaTransport(topo, options=CudaOptions(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
-                      faults=[fault] if rank == faulty_rank else [])
+    t = CudaTransport(
+        topo,
+        options=CudaOptions(chunk_mib=0.0625, chunk_slots=1, timeout_s=3.0, sum_ctas=1),
+        faults=[fault] if rank == faulty_rank else [],
+    )
     ref = ReferenceTransport(topo)
     shapes = [(world_size * 8192, 33), (37,), (2 * world_size + 1, 5)]
     lay = layout_for(shapes, world_size, 2)
@@ -165,8 +179,10 @@ def _faults(rank, world_size, fault, faulty_rank):
                     continue
                 work.wait()
                 t.synchronize()
-                outcome["corrupt"] |= any(not torch.equal(landings[i][p].cpu(), expected_unsharded(lay, all_shard_sets[i], p))
-                                          for p in range(lay.num_params))
+                outcome["corrupt"] |= any(
+                    not torch.equal(landings[i][p].cpu(), expected_unsharded(lay, all_shard_sets[i], p))
+                    for p in range(lay.num_params)
+                )
             else:
                 out = torch.empty(lay.total_shard_numel, device=dev)
                 t.reduce_scatter(lay, grads[i], out).wait()
@@ -206,8 +222,9 @@ def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
 
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
-    t = CudaTransport(topo, options=cuda_options(TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25,
-                                                            sum_slice_mib=0.0625)))  # pieces and landing slices
+    t = CudaTransport(
+        topo, options=cuda_options(TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25, sum_slice_mib=0.0625))
+    )  # pieces and landing slices
     reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)
     ag_cases = rs_cases = 0
@@ -248,6 +265,8 @@ def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
 @pytest.mark.parametrize("mode", ["in_place", "slot_reuse"])
 def test_rail_collectives_emulating_nodes_are_exact(mode):
     ag, rs = run_distributed(_rail_suite, _gpus(), args=(11, mode), backend="nccl", timeout=150)[0]
-    print(f"\nrail collectives ({_gpus()} nodes x 1 GPU over p2p, {mode}): {ag} all-gathers and {rs} "
-          "reduce-scatters bitwise exact")
+    print(
+        f"\nrail collectives ({_gpus()} nodes x 1 GPU over p2p, {mode}): {ag} all-gathers and {rs} "
+        "reduce-scatters bitwise exact"
+    )
     assert (ag, rs) == (9, 9)

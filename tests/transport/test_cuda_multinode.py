@@ -29,13 +29,29 @@ from tide_core.transport.faults import DropRailCredits, ReorderCalls, ReuseRailE
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=20.0, copy_delay_s=0.0, sum_delay_s=0.0,
-               hardware_queues=None, **config):
+def _transport(
+    topo: Topology,
+    tag: str,
+    *,
+    faults=(),
+    timeout_s=20.0,
+    copy_delay_s=0.0,
+    sum_delay_s=0.0,
+    hardware_queues=None,
+    **config,
+):
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, hardware_queues=hardware_queues)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     config = TIDEConfig(timeout_s=timeout_s, rail="p2p", **config)
-    t = CudaTransport(topo, None, options=cuda_options(config), device=torch.device("cpu"), backend=dev, allocator=alloc,
-                      faults=faults)
+    t = CudaTransport(
+        topo,
+        None,
+        options=cuda_options(config),
+        device=torch.device("cpu"),
+        backend=dev,
+        allocator=alloc,
+        faults=faults,
+    )
     return t, dev, alloc
 
 
@@ -80,15 +96,23 @@ def test_rail_all_gather_is_deadlock_free_when_all_streams_share_one_hardware_qu
     assert results[0] == (6, True)
 
 
-def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_place", hardware_queues=None,
-                     slice_bytes=0):
+def _reduce_scatters(
+    rank, world_size, nodes, seed, tag, wave_width, mode="in_place", hardware_queues=None, slice_bytes=0
+):
     """Random layouts, bf16 and fp32 gradients, alpha and accumulate, small chunks (several per
     Level-1 step), each layout called three times on the same buffers (recorded programs replayed):
     bitwise equal to the reference transport with the same wave width. ``slice_bytes``: sum kernels
     in slices (Level-1 pieces and landing slices of 256 elements per KiB)."""
     topo = Topology(nodes, world_size // nodes)
-    t, dev, alloc = _transport(topo, tag, hardware_queues=hardware_queues, wave_width=wave_width, mode=mode,
-                               chunk_mib=4096 / (1 << 20), sum_slice_mib=slice_bytes / (1 << 20))
+    t, dev, alloc = _transport(
+        topo,
+        tag,
+        hardware_queues=hardware_queues,
+        wave_width=wave_width,
+        mode=mode,
+        chunk_mib=4096 / (1 << 20),
+        sum_slice_mib=slice_bytes / (1 << 20),
+    )
     reference = ReferenceTransport(topo, wave_width=wave_width)
     rng = np.random.default_rng(seed)
     checked = 0
@@ -117,27 +141,51 @@ def _reduce_scatters(rank, world_size, nodes, seed, tag, wave_width, mode="in_pl
         # Level-2 blocks against Eq. 10 without its Level-1 staging term (units of one fp32 partial;
         # the Level-1 chunks here are 4 KiB, larger than these tiny partials)
         L, waves, mem = topo.gpus_per_node, t.waves, t.memory
-        level2_bound = (staging_area_blocks(gpus_per_node=L, generations=waves.generations,
-                                            outbox_depth=waves.outbox_depth, staging_slots=mem.n_slots)
-                        - mem.n_slots * L / 2) * mem.block_bytes
+        level2_bound = (
+            staging_area_blocks(
+                gpus_per_node=L,
+                generations=waves.generations,
+                outbox_depth=waves.outbox_depth,
+                staging_slots=mem.n_slots,
+            )
+            - mem.n_slots * L / 2
+        ) * mem.block_bytes
         assert mem.rs_blocks.nbytes <= level2_bound, (mem.rs_blocks.nbytes, level2_bound)
         if slice_bytes:
             return checked, dev.kernels, t.rs_seq
-        return (checked, len(mem.inbox.landing), mem.rs_blocks.nbytes // mem.block_bytes, waves.outbox_depth,
-                mem.inbox.blocks)
+        return (
+            checked,
+            len(mem.inbox.landing),
+            mem.rs_blocks.nbytes // mem.block_bytes,
+            waves.outbox_depth,
+            mem.inbox.blocks,
+        )
     finally:
         dev.close()
         alloc.cleanup()
 
 
-@pytest.mark.parametrize("nodes,gpus_per_node,wave_width,mode", [
-    (2, 1, None, "in_place"), (3, 1, None, "in_place"), (2, 2, None, "in_place"), (2, 2, 1, "in_place"),
-    (3, 2, 2, "in_place"), (3, 2, 1, "slot_reuse"), (5, 1, None, "in_place"), (5, 1, None, "slot_reuse"),
-    (4, 2, 2, "in_place"), (6, 1, None, "in_place"), (5, 2, 1, "slot_reuse")])
+@pytest.mark.parametrize(
+    "nodes,gpus_per_node,wave_width,mode",
+    [
+        (2, 1, None, "in_place"),
+        (3, 1, None, "in_place"),
+        (2, 2, None, "in_place"),
+        (2, 2, 1, "in_place"),
+        (3, 2, 2, "in_place"),
+        (3, 2, 1, "slot_reuse"),
+        (5, 1, None, "in_place"),
+        (5, 1, None, "slot_reuse"),
+        (4, 2, 2, "in_place"),
+        (6, 1, None, "in_place"),
+        (5, 2, 1, "slot_reuse"),
+    ],
+)
 def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width, mode):
     world = nodes * gpus_per_node
-    results = run_distributed(_reduce_scatters, world,
-                              args=(nodes, 7 + world, uuid.uuid4().hex[:8], wave_width, mode), timeout=300)
+    results = run_distributed(
+        _reduce_scatters, world, args=(nodes, 7 + world, uuid.uuid4().hex[:8], wave_width, mode), timeout=300
+    )
     plan = latin_square_plan(nodes, gpus_per_node, wave_width, 2, mode == "slot_reuse")
     # inbox: a block per remote contributor, or n_par * W generation blocks when that saves two or more
     generations = nodes - 1 > plan.generations * plan.wave_width + 1
@@ -161,8 +209,12 @@ def test_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wav
 def test_sliced_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_node, wave_width):
     """Level-1 pieces with their own arrival signals and landing kernels in slices of 256 elements."""
     world = nodes * gpus_per_node
-    results = run_distributed(_reduce_scatters, world, args=(nodes, 3 + world, uuid.uuid4().hex[:8], wave_width,
-                                                             "in_place", None, 1024), timeout=300)
+    results = run_distributed(
+        _reduce_scatters,
+        world,
+        args=(nodes, 3 + world, uuid.uuid4().hex[:8], wave_width, "in_place", None, 1024),
+        timeout=300,
+    )
     assert all(r[0] == 6 for r in results), results
     checked, kernels, chunks = results[0]
     assert kernels > 4 * chunks  # several sum slices per Level-1 chunk and per landing
@@ -171,8 +223,9 @@ def test_sliced_rail_reduce_scatter_matches_reference_bitwise(nodes, gpus_per_no
 @pytest.mark.parametrize("nodes,gpus_per_node", [(5, 1), (3, 2), (5, 2)])
 def test_rail_reduce_scatter_is_deadlock_free_when_all_streams_share_one_hardware_queue(nodes, gpus_per_node):
     """5 x 1 reuses inbox blocks within a call (generations); 3 x 2 relays arrivals and reads; 5 x 2 both."""
-    results = run_distributed(_reduce_scatters, nodes * gpus_per_node,
-                              args=(nodes, 3, uuid.uuid4().hex[:8], 1, "slot_reuse", 1), timeout=300)
+    results = run_distributed(
+        _reduce_scatters, nodes * gpus_per_node, args=(nodes, 3, uuid.uuid4().hex[:8], 1, "slot_reuse", 1), timeout=300
+    )
     assert results[0][0] == 6
 
 
@@ -184,8 +237,14 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
     topo = Topology(world_size, 1)
     faults = [fault] if rank == faulty_rank else []
     delay = delay_s if rank != faulty_rank else 0.0
-    t, dev, alloc = _transport(topo, tag, faults=faults, timeout_s=2.0, copy_delay_s=delay if collective == "ag" else 0.0,
-                               sum_delay_s=delay if collective == "rs" else 0.0)
+    t, dev, alloc = _transport(
+        topo,
+        tag,
+        faults=faults,
+        timeout_s=2.0,
+        copy_delay_s=delay if collective == "ag" else 0.0,
+        sum_delay_s=delay if collective == "rs" else 0.0,
+    )
     shapes = [(world_size * 64, 9), (5,), (3 * world_size + 1, 4)]
     lay = layout_for(shapes, world_size, 2)
     landings = [t.landing_buffers(lay, slot=call, dtype=torch.bfloat16) for call in range(4)]  # collective
@@ -193,8 +252,9 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
     expected = []  # reduce-scatter results, computed collectively before any fault can stop a rank
     for call in range(4 if collective == "rs" else 0):
         expected.append(torch.empty(lay.total_shard_numel))
-        ReferenceTransport(topo).reduce_scatter(lay, all_grads(call, shapes, world_size, torch.bfloat16)[rank],
-                                                expected[-1])
+        ReferenceTransport(topo).reduce_scatter(
+            lay, all_grads(call, shapes, world_size, torch.bfloat16)[rank], expected[-1]
+        )
     try:
         pending = []
         for call in range(4):
@@ -211,8 +271,9 @@ def _rail_fault(rank, world_size, tag, collective, fault, faulty_rank, delay_s):
         for work, inputs, outs in pending:
             work.wait()
             if collective == "ag":
-                outcome["corrupt"] |= any(not torch.equal(outs[p], expected_unsharded(lay, inputs, p))
-                                          for p in range(lay.num_params))
+                outcome["corrupt"] |= any(
+                    not torch.equal(outs[p], expected_unsharded(lay, inputs, p)) for p in range(lay.num_params)
+                )
             else:
                 outcome["corrupt"] |= not torch.equal(outs, inputs)
     except PeerStallTimeout as exc:

@@ -23,22 +23,45 @@ from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseSt
 from tide_core.transport.reference import ReferenceTransport
 
 
-def _transport(world_size, tag, *, faults=(), sum_delay_s=0.0, timeout_s=30.0, chunk_slots=2, hardware_queues=None,
-               slice_bytes=0, push_delay_s=0.0):
+def _transport(
+    world_size,
+    tag,
+    *,
+    faults=(),
+    sum_delay_s=0.0,
+    timeout_s=30.0,
+    chunk_slots=2,
+    hardware_queues=None,
+    slice_bytes=0,
+    push_delay_s=0.0,
+):
     """4 KiB chunks; ``slice_bytes`` (0: none) cuts each reduce-scatter chunk into pieces
     (1 KiB = 256 fp32 output elements per piece)."""
     dev = EmulatedDevice(sum_delay_s=sum_delay_s, hardware_queues=hardware_queues, push_delay_s=push_delay_s)
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
-    options = CudaOptions(chunk_mib=4096 / (1 << 20), chunk_slots=chunk_slots, timeout_s=timeout_s, sum_ctas=4,
-                          sum_slice_mib=slice_bytes / (1 << 20))
-    t = CudaTransport(Topology(1, world_size), None, options=options, device=torch.device("cpu"), backend=dev,
-                      allocator=alloc, faults=faults)
+    options = CudaOptions(
+        chunk_mib=4096 / (1 << 20),
+        chunk_slots=chunk_slots,
+        timeout_s=timeout_s,
+        sum_ctas=4,
+        sum_slice_mib=slice_bytes / (1 << 20),
+    )
+    t = CudaTransport(
+        Topology(1, world_size),
+        None,
+        options=options,
+        device=torch.device("cpu"),
+        backend=dev,
+        allocator=alloc,
+        faults=faults,
+    )
     return t, dev, alloc
 
 
 def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None, slice_bytes=0):
-    t, dev, alloc = _transport(world_size, tag, hardware_queues=hardware_queues, timeout_s=20.0,
-                               slice_bytes=slice_bytes)
+    t, dev, alloc = _transport(
+        world_size, tag, hardware_queues=hardware_queues, timeout_s=20.0, slice_bytes=slice_bytes
+    )
     ref = ReferenceTransport(Topology(1, world_size))
     rng = np.random.default_rng(seed)
     slot = 0
@@ -78,8 +101,9 @@ def _bitwise_vs_reference(rank, world_size, seed, tag, hardware_queues=None, sli
 
 @pytest.mark.parametrize("world_size,slice_bytes", [(2, 0), (3, 0), (4, 0), (2, 1024), (3, 1024)])
 def test_emulated_cuda_transport_is_bitwise_equal_to_reference(world_size, slice_bytes):
-    results = run_distributed(_bitwise_vs_reference, world_size,
-                              args=(17 + world_size, uuid.uuid4().hex[:8], None, slice_bytes), timeout=240)
+    results = run_distributed(
+        _bitwise_vs_reference, world_size, args=(17 + world_size, uuid.uuid4().hex[:8], None, slice_bytes), timeout=240
+    )
     checked, chunks, kernels, staging = results[0]
     assert checked == {"ag": 6, "rs": 18}
     assert chunks > 18 * 2  # several chunks per call: the 2-slot ring and its credits were exercised
@@ -175,7 +199,9 @@ def _ag_reorder(rank, world_size, tag):
             if rank == 0:  # the healthy rank consumes each result as soon as it completes
                 pending[-1][0].wait()
                 t.synchronize()
-                corrupt |= any(not torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
+                corrupt |= any(
+                    not torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params)
+                )
         t.synchronize()
         return corrupt
     except PeerStallTimeout:
@@ -204,9 +230,12 @@ def _first_batches(rank, world_size, tag):
         assert all(torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
         assert torch.equal(out, expect)
         # program keys: ("ag", ...) for all-gathers, (("rs", ...), ...) for reduce-scatters
-        batches = {(key[0] if isinstance(key[0], str) else key[0][0]): [len(op[2]) for op in program.recording.ops
-                                                                         if op[0] == "copy_batch"]
-                   for key, program in t.programs.programs.items()}
+        batches = {
+            (key[0] if isinstance(key[0], str) else key[0][0]): [
+                len(op[2]) for op in program.recording.ops if op[0] == "copy_batch"
+            ]
+            for key, program in t.programs.programs.items()
+        }
         return batches, t.rs_seq
     finally:
         shut_down(dev, alloc)
@@ -245,8 +274,7 @@ def test_protocol_is_deadlock_free_when_all_streams_share_one_hardware_queue():
     """CUDA maps streams onto a few hardware FIFOs (CUDA_DEVICE_MAX_CONNECTIONS); a blocked stream
     wait then stalls every later operation behind it. The enqueue order must still make progress."""
     for slice_bytes in (0, 1024):
-        results = run_distributed(_bitwise_vs_reference, 2, args=(5, uuid.uuid4().hex[:8], 1, slice_bytes),
-                                  timeout=240)
+        results = run_distributed(_bitwise_vs_reference, 2, args=(5, uuid.uuid4().hex[:8], 1, slice_bytes), timeout=240)
         assert results[0][0] == {"ag": 6, "rs": 18}
 
 

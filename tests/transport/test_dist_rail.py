@@ -43,15 +43,24 @@ def _node_only(alloc, topo: Topology, rank: int):
     return allocate
 
 
-def _transport(topo: Topology, tag: str, *, faults=(), timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0,
-               segmented=True, **config):
+def _transport(
+    topo: Topology, tag: str, *, faults=(), timeout_s=30.0, copy_delay_s=0.0, sum_delay_s=0.0, segmented=True, **config
+):
     """Recordings compiled into segments between their host steps, as on GPUs (``segmented``), or
     replayed operation by operation."""
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, segmented=segmented)
     alloc = _node_only(shared_memory_allocator(dist.group.WORLD, tag), topo, dist.get_rank())
     options = cuda_options(TIDEConfig(timeout_s=timeout_s, rail="nccl", **config))
-    t = CudaTransport(topo, None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc,
-                      faults=faults, single_host=False)
+    t = CudaTransport(
+        topo,
+        None,
+        options=options,
+        device=torch.device("cpu"),
+        backend=dev,
+        allocator=alloc,
+        faults=faults,
+        single_host=False,
+    )
     return t, dev, alloc
 
 
@@ -80,8 +89,9 @@ def _collectives(rank, world_size, nodes, seed, tag, wave_width, segmented):
             reference.all_gather(lay, shards, expect)
             for p in range(lay.num_params):
                 assert torch.equal(outs[p], expect[p]), ("all_gather", call, p)
-        for call, (dtype, alpha, accumulate) in enumerate([(torch.bfloat16, 1.0, False), (torch.bfloat16, 0.25, True),
-                                                           (torch.float32, 1 / 3, True)]):
+        for call, (dtype, alpha, accumulate) in enumerate(
+            [(torch.bfloat16, 1.0, False), (torch.bfloat16, 0.25, True), (torch.float32, 1 / 3, True)]
+        ):
             grads = all_grads(seed + 7 * call, shapes, world_size, dtype)[rank]
             before = torch.randn(lay.total_shard_numel, generator=torch.Generator().manual_seed(call))
             out = before.clone() if accumulate else torch.full_like(before, float("nan"))
@@ -99,13 +109,15 @@ def _collectives(rank, world_size, nodes, seed, tag, wave_width, segmented):
         shut_down(dev, alloc)
 
 
-@pytest.mark.parametrize("nodes,gpus_per_node,wave_width,segmented", [
-    (2, 1, None, True), (2, 2, None, True), (3, 2, 2, True), (4, 2, 2, True), (5, 1, None, True),
-    (2, 2, None, False)])
+@pytest.mark.parametrize(
+    "nodes,gpus_per_node,wave_width,segmented",
+    [(2, 1, None, True), (2, 2, None, True), (3, 2, 2, True), (4, 2, 2, True), (5, 1, None, True), (2, 2, None, False)],
+)
 def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wave_width, segmented):
     world = nodes * gpus_per_node
-    results = run_distributed(_collectives, world, timeout=300,
-                              args=(nodes, 11 + world, uuid.uuid4().hex[:8], wave_width, segmented))
+    results = run_distributed(
+        _collectives, world, timeout=300, args=(nodes, 11 + world, uuid.uuid4().hex[:8], wave_width, segmented)
+    )
     steps, _, segments = results[0]
     assert all(r == results[0] for r in results), results  # every rank issued the same exchanges
     assert steps > 0 and (segments > 0) == segmented, results
@@ -120,8 +132,15 @@ def _emulated_transports(tag: str, created: list, nodes: int):
         dev = EmulatedDevice(segmented=True)
         first = dist.get_process_group_ranks(group)[0]  # shard groups allocate apart
         alloc = _node_only(shared_memory_allocator(group, f"{tag}g{first}"), topology, dist.get_rank(group))
-        t = CudaTransport(topology, group, options=options, device=torch.device("cpu"), backend=dev,
-                          allocator=alloc, single_host=single_host)
+        t = CudaTransport(
+            topology,
+            group,
+            options=options,
+            device=torch.device("cpu"),
+            backend=dev,
+            allocator=alloc,
+            single_host=single_host,
+        )
         created.append((t, dev, alloc))
         return t
 
@@ -136,9 +155,14 @@ def _rail_fault(rank, world_size, tag, nodes, collective, fault, faulty_rank, sl
     timeout raised, if any."""
     topo = Topology(nodes, world_size // nodes)
     delay = 0.05 if rank == slowed_rank else 0.0
-    t, dev, alloc = _transport(topo, tag, faults=[fault] if rank == faulty_rank and fault else [],
-                               copy_delay_s=delay if collective == "ag" else 0.0,
-                               sum_delay_s=delay if collective == "rs" else 0.0, **{"timeout_s": 2.0, **config})
+    t, dev, alloc = _transport(
+        topo,
+        tag,
+        faults=[fault] if rank == faulty_rank and fault else [],
+        copy_delay_s=delay if collective == "ag" else 0.0,
+        sum_delay_s=delay if collective == "rs" else 0.0,
+        **{"timeout_s": 2.0, **config},
+    )
     shapes = [(world_size * 64, 9), (5,), (3 * world_size + 1, 4)]
     lay = layout_for(shapes, world_size, 2)
     landings = [t.landing_buffers(lay, slot=call, dtype=torch.bfloat16) for call in range(4)]  # collective
@@ -206,21 +230,46 @@ RAIL_FAULTS = {  # name: (M, L, collective, fault, faulty rank, slowed rank, cal
     # Inbox blocks reused within a call (5 x 2, W = 1: two generations) and read by a node peer:
     # the only reuse that the receiver's own stream order does not already cover. Rank 0 receives
     # the block's next use while rank 1 (slowed) still lands the previous one from it.
-    "reduce-scatter: reuse an inbox block early": (5, 2, "rs", ReuseRailEarly(), 0, 1, None,
-                                                   {"wave_width": 1, "timeout_s": 20.0}, [OK, C] + [OK] * 8),
-    "reduce-scatter: control, same timing without the fault": (5, 2, "rs", None, 0, 1, None,
-                                                               {"wave_width": 1, "timeout_s": 20.0}, [OK] * 10),
+    "reduce-scatter: reuse an inbox block early": (
+        5,
+        2,
+        "rs",
+        ReuseRailEarly(),
+        0,
+        1,
+        None,
+        {"wave_width": 1, "timeout_s": 20.0},
+        [OK, C] + [OK] * 8,
+    ),
+    "reduce-scatter: control, same timing without the fault": (
+        5,
+        2,
+        "rs",
+        None,
+        0,
+        1,
+        None,
+        {"wave_width": 1, "timeout_s": 20.0},
+        [OK] * 10,
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(RAIL_FAULTS))
 def test_nccl_rail_faults_are_detected(name):
     nodes, L, collective, fault, faulty, slowed, stop_after, config, expected = RAIL_FAULTS[name]
-    outcomes = run_distributed(_rail_fault, nodes * L, timeout=120,
-                               args=(uuid.uuid4().hex[:8], nodes, collective, fault, faulty, slowed, stop_after, config))
+    outcomes = run_distributed(
+        _rail_fault,
+        nodes * L,
+        timeout=120,
+        args=(uuid.uuid4().hex[:8], nodes, collective, fault, faulty, slowed, stop_after, config),
+    )
     observed = [(o["corrupt"], o["timeout"] is not None) for o in outcomes]
     print(f"\n{name}: {observed}")
-    assert all(seen in (C, T) if want == D else seen == want for seen, want in zip(observed, expected)), (name, outcomes)
+    assert all(seen in (C, T) if want == D else seen == want for seen, want in zip(observed, expected)), (
+        name,
+        outcomes,
+    )
     for o in outcomes:  # fail-stop: a starved rank names the call it waited for instead of hanging
         assert o["timeout"] is None or "did not complete within" in o["timeout"], o
 
@@ -264,8 +313,13 @@ def _train_through_adapter(rank, world_size, tag, hsdp):
         stats = handle.stats()
         diff = max_diff(full_params(model), full_params(stock))
         tide_core.uninstall(model)
-        return (len(handle.served_groups), len(created), diff, max(abs(x - y) for x, y in zip(losses, stock_losses)),
-                stats["all_gathers"] > 0 and sum(dev.host_steps for _, dev, _ in created) > 0)
+        return (
+            len(handle.served_groups),
+            len(created),
+            diff,
+            max(abs(x - y) for x, y in zip(losses, stock_losses)),
+            stats["all_gathers"] > 0 and sum(dev.host_steps for _, dev, _ in created) > 0,
+        )
     finally:
         adapter.make_transport, socket.gethostname = stock_make, hostname
         for _, dev, alloc in created:

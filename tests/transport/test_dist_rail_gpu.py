@@ -16,13 +16,21 @@ from tests.transport.test_cuda_gpu import _rail_suite
 
 pytestmark = pytest.mark.cuda(gpus=2)
 
-NETWORK_PATH = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_NET": "Socket", "NCCL_NVLS_ENABLE": "0",
-                "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NETWORK_PATH = {
+    "NCCL_P2P_DISABLE": "1",
+    "NCCL_SHM_DISABLE": "1",
+    "NCCL_NET": "Socket",
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 
 @pytest.mark.parametrize("mode", ["in_place", "slot_reuse"])
 def test_nccl_rail_over_the_network_path_is_exact(mode):
     ag, rs = run_distributed(_rail_suite, 2, args=(13, mode, "nccl"), backend="nccl", timeout=300, env=NETWORK_PATH)[0]
-    print(f"\nnccl rail (2 nodes x 1 GPU, NCCL over sockets, {mode}): {ag} all-gathers and {rs} reduce-scatters "
-          "bitwise equal to the reference transport")
+    print(
+        f"\nnccl rail (2 nodes x 1 GPU, NCCL over sockets, {mode}): {ag} all-gathers and {rs} reduce-scatters "
+        "bitwise equal to the reference transport"
+    )
     assert (ag, rs) == (9, 9)

@@ -75,7 +75,7 @@ def _classify_ag(lay, outs, shards, nxt) -> str:
         flat = outs[p].reshape(-1)
         n = lay.shard_numel(p)
         for r in range(N):
-            status = _ag_status(flat[r * n:(r + 1) * n], shards, nxt, r, p)
+            status = _ag_status(flat[r * n : (r + 1) * n], shards, nxt, r, p)
             if status != "exact":
                 bad.add(f"rows of rank {r}: {status}")
     return "; ".join(sorted(bad)) or "exact"
@@ -116,11 +116,20 @@ def _case(rank, world_size, tag, spec):
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     # The first rank stuck on a fault times out and announces it; the others stuck with it fail on the
     # announcement with the same error, or on their own deadline: PeerStallTimeout either way.
-    options = CudaOptions(chunk_mib=4096 / (1 << 20), chunk_slots=2, timeout_s=TIMEOUT_S,
-                          sum_ctas=4, rail="p2p", sum_slice_mib=spec.get("slice_kib", 0) / 1024, heartbeat_s=0.2,
-                          peer_dead_s=30.0, abort_on_stall=False)
-    t = CudaTransport(topo, None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc,
-                      faults=faults)
+    options = CudaOptions(
+        chunk_mib=4096 / (1 << 20),
+        chunk_slots=2,
+        timeout_s=TIMEOUT_S,
+        sum_ctas=4,
+        rail="p2p",
+        sum_slice_mib=spec.get("slice_kib", 0) / 1024,
+        heartbeat_s=0.2,
+        peer_dead_s=30.0,
+        abort_on_stall=False,
+    )
+    t = CudaTransport(
+        topo, None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc, faults=faults
+    )
     shapes = _shapes(world_size, collective)
     lay = layout_for(shapes, world_size, 2)
     same_landing = spec.get("same_landing", False)
@@ -173,8 +182,12 @@ def _case(rank, world_size, tag, spec):
         t.synchronize()
         outcome = {"error": None, "calls": results}
     except (PeerStallTimeout, PeerFailure) as exc:
-        outcome = {"error": type(exc).__name__, "calls": results, "message": str(exc),
-                   "after_s": round(time.monotonic() - started, 2)}
+        outcome = {
+            "error": type(exc).__name__,
+            "calls": results,
+            "message": str(exc),
+            "after_s": round(time.monotonic() - started, 2),
+        }
     finally:
         dist.barrier()  # keep every emulated GPU running until each rank finished or failed on its own
         t.close()
@@ -215,122 +228,264 @@ def case(topology, collective, fault=None, **spec):
 GATE = {
     # I1: every contributor lands exactly once ---------------------------------------------------------------
     "I1 all-gather push dropped, 1x2": ("I1", "DropCopy", case((1, 2), AG, DropCopy(Site.AG_PUSH)), [EXACT, NAN0]),
-    "I1 all-gather push dropped, 1x3": ("I1", "DropCopy", case((1, 3), AG, DropCopy(Site.AG_PUSH)),
-                                        [EXACT, NAN0, EXACT]),
-    "I1 all-gather second lane's push dropped, 1x3": ("I1", "DropCopy", case((1, 3), AG, DropCopy(Site.AG_PUSH, 2)),
-                                                      [EXACT, EXACT, NAN0]),
-    "I1 reduce-scatter push dropped, 1x2": ("I1", "DropCopy", case((1, 2), RS, DropCopy(Site.RS_PUSH), calls=1),
-                                            [EXACT, MISSING0]),
-    "I1 reduce-scatter push dropped, 1x3": ("I1", "DropCopy", case((1, 3), RS, DropCopy(Site.RS_PUSH), calls=1),
-                                            [EXACT, MISSING0, MISSING0]),
-    "I1 rail all-gather put dropped, 2x1": ("I1", "DropCopy", case((2, 1), AG, DropCopy(Site.RAIL_PUT)),
-                                            [EXACT, ZERO0]),
-    "I1 rail all-gather put dropped, 3x1": ("I1", "DropCopy", case((3, 1), AG, DropCopy(Site.RAIL_PUT)),
-                                            [EXACT, EXACT, ZERO0]),
-    "I1 rail reduce-scatter put dropped, 2x1": ("I1", "DropCopy", case((2, 1), RS, DropCopy(Site.RAIL_PUT), calls=1),
-                                                [EXACT, MISSING0]),
-    "I1 rail reduce-scatter put dropped, 2x2": ("I1", "DropCopy", case((2, 2), RS, DropCopy(Site.RAIL_PUT), calls=1),
-                                                [EXACT, EXACT, EXACT, "missing node 0 (part)"]),
-    "I1 staged peer counted twice, 1x2": ("I1", "CountTwice", case((1, 2), RS, CountTwice()),
-                                          ["rank 1 counted twice", EXACT]),
-    "I1 staged peer counted twice, 1x3": ("I1", "CountTwice", case((1, 3), RS, CountTwice()),
-                                          ["rank 1 counted twice", EXACT, EXACT]),
-    "I1 staged peer counted twice, 2x2": ("I1", "CountTwice", case((2, 2), RS, CountTwice()),
-                                          ["rank 1 counted twice", EXACT, EXACT, "rank 1 counted twice"]),
+    "I1 all-gather push dropped, 1x3": (
+        "I1",
+        "DropCopy",
+        case((1, 3), AG, DropCopy(Site.AG_PUSH)),
+        [EXACT, NAN0, EXACT],
+    ),
+    "I1 all-gather second lane's push dropped, 1x3": (
+        "I1",
+        "DropCopy",
+        case((1, 3), AG, DropCopy(Site.AG_PUSH, 2)),
+        [EXACT, EXACT, NAN0],
+    ),
+    "I1 reduce-scatter push dropped, 1x2": (
+        "I1",
+        "DropCopy",
+        case((1, 2), RS, DropCopy(Site.RS_PUSH), calls=1),
+        [EXACT, MISSING0],
+    ),
+    "I1 reduce-scatter push dropped, 1x3": (
+        "I1",
+        "DropCopy",
+        case((1, 3), RS, DropCopy(Site.RS_PUSH), calls=1),
+        [EXACT, MISSING0, MISSING0],
+    ),
+    "I1 rail all-gather put dropped, 2x1": (
+        "I1",
+        "DropCopy",
+        case((2, 1), AG, DropCopy(Site.RAIL_PUT)),
+        [EXACT, ZERO0],
+    ),
+    "I1 rail all-gather put dropped, 3x1": (
+        "I1",
+        "DropCopy",
+        case((3, 1), AG, DropCopy(Site.RAIL_PUT)),
+        [EXACT, EXACT, ZERO0],
+    ),
+    "I1 rail reduce-scatter put dropped, 2x1": (
+        "I1",
+        "DropCopy",
+        case((2, 1), RS, DropCopy(Site.RAIL_PUT), calls=1),
+        [EXACT, MISSING0],
+    ),
+    "I1 rail reduce-scatter put dropped, 2x2": (
+        "I1",
+        "DropCopy",
+        case((2, 2), RS, DropCopy(Site.RAIL_PUT), calls=1),
+        [EXACT, EXACT, EXACT, "missing node 0 (part)"],
+    ),
+    "I1 staged peer counted twice, 1x2": (
+        "I1",
+        "CountTwice",
+        case((1, 2), RS, CountTwice()),
+        ["rank 1 counted twice", EXACT],
+    ),
+    "I1 staged peer counted twice, 1x3": (
+        "I1",
+        "CountTwice",
+        case((1, 3), RS, CountTwice()),
+        ["rank 1 counted twice", EXACT, EXACT],
+    ),
+    "I1 staged peer counted twice, 2x2": (
+        "I1",
+        "CountTwice",
+        case((2, 2), RS, CountTwice()),
+        ["rank 1 counted twice", EXACT, EXACT, "rank 1 counted twice"],
+    ),
     # I2: inputs stay live until the call's completion covers their reads -----------------------------------
-    "I2 gradients refilled before their pushes, 1x2": ("I2", "ReleaseInputsEarly",
-                                                       case((1, 2), RS, ReleaseInputsEarly(), poison_inputs=True,
-                                                            faulty_delays=SLOW_PUSH), [EXACT, REFILLED]),
-    "I2 gradients refilled before their pushes, 1x3": ("I2", "ReleaseInputsEarly",
-                                                       case((1, 3), RS, ReleaseInputsEarly(), poison_inputs=True,
-                                                            faulty_delays=SLOW_PUSH), [EXACT, REFILLED, REFILLED]),
-    "I2 shards refilled before their pushes, 1x2": ("I2", "ReleaseInputsEarly",
-                                                    case((1, 2), AG, ReleaseInputsEarly(), poison_inputs=True,
-                                                         faulty_delays=SLOW_PUSH),
-                                                    [EXACT, "rows of rank 0: " + REFILLED]),
-    "I2 shards refilled before their pushes, 1x3": ("I2", "ReleaseInputsEarly",
-                                                    case((1, 3), AG, ReleaseInputsEarly(), poison_inputs=True,
-                                                         faulty_delays=SLOW_PUSH),
-                                                    [EXACT] + ["rows of rank 0: " + REFILLED] * 2),
-    "I2 gradients refilled before their pushes, sliced sums, 1x2": ("I2", "ReleaseInputsEarly",
-                                                                    case((1, 2), RS, ReleaseInputsEarly(),
-                                                                         poison_inputs=True, slice_kib=1,
-                                                                         faulty_delays={"push_delay_s": 0.03}),
-                                                                    [EXACT, REFILLED]),  # 8 push batches a chunk
-    "I2 control: refilled after completion, reduce-scatter": ("I2", "control",
-                                                              case((1, 2), RS, poison_inputs=True,
-                                                                   faulty_delays=SLOW_PUSH), [EXACT, EXACT]),
-    "I2 control: refilled after completion, all-gather": ("I2", "control",
-                                                          case((1, 2), AG, poison_inputs=True, faulty_delays=SLOW_PUSH),
-                                                          [EXACT, EXACT]),
+    "I2 gradients refilled before their pushes, 1x2": (
+        "I2",
+        "ReleaseInputsEarly",
+        case((1, 2), RS, ReleaseInputsEarly(), poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT, REFILLED],
+    ),
+    "I2 gradients refilled before their pushes, 1x3": (
+        "I2",
+        "ReleaseInputsEarly",
+        case((1, 3), RS, ReleaseInputsEarly(), poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT, REFILLED, REFILLED],
+    ),
+    "I2 shards refilled before their pushes, 1x2": (
+        "I2",
+        "ReleaseInputsEarly",
+        case((1, 2), AG, ReleaseInputsEarly(), poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT, "rows of rank 0: " + REFILLED],
+    ),
+    "I2 shards refilled before their pushes, 1x3": (
+        "I2",
+        "ReleaseInputsEarly",
+        case((1, 3), AG, ReleaseInputsEarly(), poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT] + ["rows of rank 0: " + REFILLED] * 2,
+    ),
+    "I2 gradients refilled before their pushes, sliced sums, 1x2": (
+        "I2",
+        "ReleaseInputsEarly",
+        case((1, 2), RS, ReleaseInputsEarly(), poison_inputs=True, slice_kib=1, faulty_delays={"push_delay_s": 0.03}),
+        [EXACT, REFILLED],
+    ),  # 8 push batches a chunk
+    "I2 control: refilled after completion, reduce-scatter": (
+        "I2",
+        "control",
+        case((1, 2), RS, poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT, EXACT],
+    ),
+    "I2 control: refilled after completion, all-gather": (
+        "I2",
+        "control",
+        case((1, 2), AG, poison_inputs=True, faulty_delays=SLOW_PUSH),
+        [EXACT, EXACT],
+    ),
     # I3: staging, stage, inbox and landing reused only after their previous consumer -----------------------
-    "I3 staging slot reused early, 1x2": ("I3", "ReuseStagingEarly",
-                                          case((1, 2), RS, ReuseStagingEarly(), faulty=1, other_delays=SLOW_SUM),
-                                          [OVERWRITTEN, EXACT]),
-    "I3 staging slot reused early, 1x3": ("I3", "ReuseStagingEarly",
-                                          case((1, 3), RS, ReuseStagingEarly(), faulty=1, other_delays=SLOW_SUM),
-                                          [OVERWRITTEN, EXACT, OVERWRITTEN]),
-    "I3 staging credits dropped, 1x2": ("I3", "DropStagingCredits", case((1, 2), RS, DropStagingCredits(1)),
-                                        [STALL, STALL]),
-    "I3 staging credits dropped, 1x3": ("I3", "DropStagingCredits", case((1, 3), RS, DropStagingCredits(1)),
-                                        [STALL] * 3),
-    "I3 landing rewritten before its reader is done, 1x2": ("I3", "PushBeforeReady",
-                                                            case((1, 2), AG, PushBeforeReady(), faulty=1,
-                                                                 same_landing=True, slow_consumer=True),
-                                                            [NEXT_CALL, EXACT]),
-    "I3 landing rewritten before its reader is done, 1x3": ("I3", "PushBeforeReady",
-                                                            case((1, 3), AG, PushBeforeReady(), faulty=1,
-                                                                 same_landing=True, slow_consumer=True),
-                                                            [NEXT_CALL, EXACT, NEXT_CALL]),
-    "I3 landing rewritten before its reader is done, 2x2": ("I3", "PushBeforeReady",
-                                                            case((2, 2), AG, PushBeforeReady(), faulty=1,
-                                                                 same_landing=True, slow_consumer=True),
-                                                            [NEXT_CALL, EXACT, EXACT, EXACT]),
-    "I3 rail stage reused early, 2x1": ("I3", "ReuseRailEarly", case((2, 1), AG, ReuseRailEarly(),
-                                                                     other_delays=SLOW_SCATTER),
-                                        [EXACT, "rows of rank 0: wrong"]),
-    "I3 rail stage reused early, 3x1": ("I3", "ReuseRailEarly", case((3, 1), AG, ReuseRailEarly(),
-                                                                     other_delays=SLOW_SCATTER),
-                                        [EXACT, EXACT, "rows of rank 0: wrong"]),
-    "I3 rail inbox reused early, 2x1": ("I3", "ReuseRailEarly", case((2, 1), RS, ReuseRailEarly(),
-                                                                     other_delays=SLOW_SUM), [EXACT, OVERWRITTEN]),
-    "I3 rail stage credits dropped, 2x1": ("I3", "DropRailCredits", case((2, 1), AG, DropRailCredits(2)),
-                                           [STALL, STALL]),
-    "I3 rail inbox credits dropped, 2x1": ("I3", "DropRailCredits", case((2, 1), RS, DropRailCredits(2)),
-                                           [STALL, EXACT]),
-    "I3 rail inbox credits dropped, 3x1": ("I3", "DropRailCredits", case((3, 1), RS, DropRailCredits(2)),
-                                           [STALL, STALL, EXACT]),
+    "I3 staging slot reused early, 1x2": (
+        "I3",
+        "ReuseStagingEarly",
+        case((1, 2), RS, ReuseStagingEarly(), faulty=1, other_delays=SLOW_SUM),
+        [OVERWRITTEN, EXACT],
+    ),
+    "I3 staging slot reused early, 1x3": (
+        "I3",
+        "ReuseStagingEarly",
+        case((1, 3), RS, ReuseStagingEarly(), faulty=1, other_delays=SLOW_SUM),
+        [OVERWRITTEN, EXACT, OVERWRITTEN],
+    ),
+    "I3 staging credits dropped, 1x2": (
+        "I3",
+        "DropStagingCredits",
+        case((1, 2), RS, DropStagingCredits(1)),
+        [STALL, STALL],
+    ),
+    "I3 staging credits dropped, 1x3": (
+        "I3",
+        "DropStagingCredits",
+        case((1, 3), RS, DropStagingCredits(1)),
+        [STALL] * 3,
+    ),
+    "I3 landing rewritten before its reader is done, 1x2": (
+        "I3",
+        "PushBeforeReady",
+        case((1, 2), AG, PushBeforeReady(), faulty=1, same_landing=True, slow_consumer=True),
+        [NEXT_CALL, EXACT],
+    ),
+    "I3 landing rewritten before its reader is done, 1x3": (
+        "I3",
+        "PushBeforeReady",
+        case((1, 3), AG, PushBeforeReady(), faulty=1, same_landing=True, slow_consumer=True),
+        [NEXT_CALL, EXACT, NEXT_CALL],
+    ),
+    "I3 landing rewritten before its reader is done, 2x2": (
+        "I3",
+        "PushBeforeReady",
+        case((2, 2), AG, PushBeforeReady(), faulty=1, same_landing=True, slow_consumer=True),
+        [NEXT_CALL, EXACT, EXACT, EXACT],
+    ),
+    "I3 rail stage reused early, 2x1": (
+        "I3",
+        "ReuseRailEarly",
+        case((2, 1), AG, ReuseRailEarly(), other_delays=SLOW_SCATTER),
+        [EXACT, "rows of rank 0: wrong"],
+    ),
+    "I3 rail stage reused early, 3x1": (
+        "I3",
+        "ReuseRailEarly",
+        case((3, 1), AG, ReuseRailEarly(), other_delays=SLOW_SCATTER),
+        [EXACT, EXACT, "rows of rank 0: wrong"],
+    ),
+    "I3 rail inbox reused early, 2x1": (
+        "I3",
+        "ReuseRailEarly",
+        case((2, 1), RS, ReuseRailEarly(), other_delays=SLOW_SUM),
+        [EXACT, OVERWRITTEN],
+    ),
+    "I3 rail stage credits dropped, 2x1": (
+        "I3",
+        "DropRailCredits",
+        case((2, 1), AG, DropRailCredits(2)),
+        [STALL, STALL],
+    ),
+    "I3 rail inbox credits dropped, 2x1": (
+        "I3",
+        "DropRailCredits",
+        case((2, 1), RS, DropRailCredits(2)),
+        [STALL, EXACT],
+    ),
+    "I3 rail inbox credits dropped, 3x1": (
+        "I3",
+        "DropRailCredits",
+        case((3, 1), RS, DropRailCredits(2)),
+        [STALL, STALL, EXACT],
+    ),
     # I4: every wait has an earlier producer in the common order ---------------------------------------------
-    "I4 completion signal skipped, 1x2": ("I4", "SkipCompletion", case((1, 2), AG, SkipCompletion(frozenset({2}))),
-                                          [STALL, STALL]),
-    "I4 completion signal skipped, 1x3": ("I4", "SkipCompletion", case((1, 3), AG, SkipCompletion(frozenset({2}))),
-                                          [STALL] * 3),
-    "I4 completion signal skipped, 2x2": ("I4", "SkipCompletion", case((2, 2), AG, SkipCompletion(frozenset({2}))),
-                                          [STALL] * 4),
-    "I4 rail data signal skipped, all-gather 2x1": ("I4", "SkipRailSignal",
-                                                    case((2, 1), AG, SkipRailSignal(frozenset({2}))), [STALL, STALL]),
-    "I4 rail data signal skipped, reduce-scatter 2x1": ("I4", "SkipRailSignal",
-                                                        case((2, 1), RS, SkipRailSignal(frozenset({2}))),
-                                                        [STALL, STALL]),
-    "I4 rail data signal skipped, reduce-scatter 3x1": ("I4", "SkipRailSignal",
-                                                        case((3, 1), RS, SkipRailSignal(frozenset({2}))), [STALL] * 3),
+    "I4 completion signal skipped, 1x2": (
+        "I4",
+        "SkipCompletion",
+        case((1, 2), AG, SkipCompletion(frozenset({2}))),
+        [STALL, STALL],
+    ),
+    "I4 completion signal skipped, 1x3": (
+        "I4",
+        "SkipCompletion",
+        case((1, 3), AG, SkipCompletion(frozenset({2}))),
+        [STALL] * 3,
+    ),
+    "I4 completion signal skipped, 2x2": (
+        "I4",
+        "SkipCompletion",
+        case((2, 2), AG, SkipCompletion(frozenset({2}))),
+        [STALL] * 4,
+    ),
+    "I4 rail data signal skipped, all-gather 2x1": (
+        "I4",
+        "SkipRailSignal",
+        case((2, 1), AG, SkipRailSignal(frozenset({2}))),
+        [STALL, STALL],
+    ),
+    "I4 rail data signal skipped, reduce-scatter 2x1": (
+        "I4",
+        "SkipRailSignal",
+        case((2, 1), RS, SkipRailSignal(frozenset({2}))),
+        [STALL, STALL],
+    ),
+    "I4 rail data signal skipped, reduce-scatter 3x1": (
+        "I4",
+        "SkipRailSignal",
+        case((3, 1), RS, SkipRailSignal(frozenset({2}))),
+        [STALL] * 3,
+    ),
     "I4 calls reordered, 1x2": ("I4", "ReorderCalls", case((1, 2), AG, ReorderCalls(2), faulty=1), [STALL, STALL]),
     "I4 calls reordered, 1x3": ("I4", "ReorderCalls", case((1, 3), AG, ReorderCalls(2), faulty=1), [STALL] * 3),
     "I4 calls reordered, 2x1": ("I4", "ReorderCalls", case((2, 1), AG, ReorderCalls(2), faulty=1), [STALL, STALL]),
-    "I4 one hardware queue, pushes before sums, 1x2": ("I4", "PushesBeforeSums",
-                                                       case((1, 2), RS, PushesBeforeSums(), faulty="all", queues=1),
-                                                       [STALL, STALL]),
-    "I4 one hardware queue, pushes before sums, 1x3": ("I4", "PushesBeforeSums",
-                                                       case((1, 3), RS, PushesBeforeSums(), faulty="all", queues=1),
-                                                       [STALL] * 3),
-    "I4 one hardware queue, pushes before sums, 2x2": ("I4", "PushesBeforeSums",
-                                                       case((2, 2), RS, PushesBeforeSums(), faulty="all", queues=1),
-                                                       [STALL] * 4),
-    "I4 control: pushes before sums, a queue per stream": ("I4", "control",
-                                                           case((1, 2), RS, PushesBeforeSums(), faulty="all"),
-                                                           [EXACT, EXACT]),
-    "I4 control: the transport's order, one hardware queue": ("I4", "control", case((1, 2), RS, queues=1),
-                                                              [EXACT, EXACT]),
+    "I4 one hardware queue, pushes before sums, 1x2": (
+        "I4",
+        "PushesBeforeSums",
+        case((1, 2), RS, PushesBeforeSums(), faulty="all", queues=1),
+        [STALL, STALL],
+    ),
+    "I4 one hardware queue, pushes before sums, 1x3": (
+        "I4",
+        "PushesBeforeSums",
+        case((1, 3), RS, PushesBeforeSums(), faulty="all", queues=1),
+        [STALL] * 3,
+    ),
+    "I4 one hardware queue, pushes before sums, 2x2": (
+        "I4",
+        "PushesBeforeSums",
+        case((2, 2), RS, PushesBeforeSums(), faulty="all", queues=1),
+        [STALL] * 4,
+    ),
+    "I4 control: pushes before sums, a queue per stream": (
+        "I4",
+        "control",
+        case((1, 2), RS, PushesBeforeSums(), faulty="all"),
+        [EXACT, EXACT],
+    ),
+    "I4 control: the transport's order, one hardware queue": (
+        "I4",
+        "control",
+        case((1, 2), RS, queues=1),
+        [EXACT, EXACT],
+    ),
 }
 
 

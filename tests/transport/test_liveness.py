@@ -27,8 +27,13 @@ SHAPES = [(9, 4), (5,), (7, 3)]
 
 
 def _outcome(exc: BaseException, started: float) -> dict:
-    return {"error": type(exc).__name__, "message": str(exc), "after_s": time.monotonic() - started,
-            "peer": getattr(exc, "peer", None), "cause": type(exc.__cause__).__name__ if exc.__cause__ else None}
+    return {
+        "error": type(exc).__name__,
+        "message": str(exc),
+        "after_s": time.monotonic() - started,
+        "peer": getattr(exc, "peer", None),
+        "cause": type(exc.__cause__).__name__ if exc.__cause__ else None,
+    }
 
 
 def _linger(until: float) -> None:
@@ -95,6 +100,7 @@ def _dying_reference(rank, world_size, victim):
     assert _all_gather_once(t, rank, world_size)
     dist.barrier()
     if rank == victim:
+
         def die(*args, **kwargs):
             os._exit(17)
 
@@ -130,8 +136,9 @@ def _emulated(world_size, tag, **options):
     dev = EmulatedDevice()
     alloc = shared_memory_allocator(dist.group.WORLD, tag)
     options = CudaOptions(heartbeat_s=0.2, peer_dead_s=1.0, abort_on_stall=False, **options)
-    t = CudaTransport(Topology(1, world_size), None, options=options, device=torch.device("cpu"), backend=dev,
-                      allocator=alloc)
+    t = CudaTransport(
+        Topology(1, world_size), None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc
+    )
     return t, dev, alloc
 
 
@@ -182,8 +189,9 @@ def test_a_slow_peer_is_waited_for():
 
 
 def test_a_dead_peer_is_reported_within_peer_dead_s_not_timeout_s():
-    outcomes = run_distributed(_late_dead_or_silent, 2, args=(uuid.uuid4().hex[:8], "dead", 60.0), timeout=60,
-                               exits={1: 17})
+    outcomes = run_distributed(
+        _late_dead_or_silent, 2, args=(uuid.uuid4().hex[:8], "dead", 60.0), timeout=60, exits={1: 17}
+    )
     print("\n", outcomes)
     o = outcomes[0]
     assert outcomes[1] == ("exited", 17)

@@ -104,8 +104,9 @@ def test_nccl_rail_records_one_grouped_exchange_with_global_peers_and_local_cred
 
     topo = Topology(3, 2)  # rank 3 = node 1, local 1; its rail peers are TIDE ranks 1 and 5
     rail_group = object()
-    groups = TopologyGroups(topology=topo, group=None, rank=3, global_ranks=[10, 11, 12, 13, 14, 15],
-                            node_group=None, rail_group=rail_group)
+    groups = TopologyGroups(
+        topology=topo, group=None, rank=3, global_ranks=[10, 11, 12, 13, 14, 15], node_group=None, rail_group=rail_group
+    )
     flags = _FakeSegment(FLAG_LINE * 4, 0x4000, None)
     rail = DistRail(topo, groups, flags, 4)
     # rail selection: across hosts "auto" and "nccl" give this rail, on one host "auto" stays p2p
@@ -117,10 +118,14 @@ def test_nccl_rail_records_one_grouped_exchange_with_global_peers_and_local_cred
     with pytest.raises(ValueError, match="credit word 4"):
         rail.credit_word(4)
     rec = ProgramRecorder(base=0)
-    a, b, empty = torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)
+    a, b, empty = (
+        torch.zeros(8, dtype=torch.uint8),
+        torch.zeros(4, dtype=torch.uint8),
+        torch.zeros(0, dtype=torch.uint8),
+    )
     rail.exchange(rec, "s", [(2, a), (2, empty)], [(0, b)])
     assert rec.has_host_steps
-    (kind, stream, step), = rec.ops
+    ((kind, stream, step),) = rec.ops
     assert (kind, stream, step.group) == ("host_step", "s", rail_group)
     assert [(peer, t is a) for peer, t in step.sends] == [(15, True)]  # the empty send is left out
     assert [(peer, t is b) for peer, t in step.recvs] == [(11, True)] and step.nbytes == 12

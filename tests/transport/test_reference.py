@@ -46,8 +46,10 @@ def _suite(rank, world_size, M, L, seed):
     for dtype in (torch.bfloat16, torch.float32):
         lay = layout_for(shapes, world_size, dtype.itemsize)
         shards = all_shards(seed + 1, lay, dtype)
-        outs = [torch.full((world_size * lay.padded_rows(p), lay.cols[p]), float("nan"), dtype=dtype)
-                for p in range(lay.num_params)]
+        outs = [
+            torch.full((world_size * lay.padded_rows(p), lay.cols[p]), float("nan"), dtype=dtype)
+            for p in range(lay.num_params)
+        ]
         t.all_gather(lay, shards[rank], outs).wait()
         for p in range(lay.num_params):
             assert torch.equal(outs[p], expected_unsharded(lay, shards, p)), (dtype, p)
@@ -67,14 +69,20 @@ def _suite(rank, world_size, M, L, seed):
             report["max_rel_err_vs_fp64"] = max(report["max_rel_err_vs_fp64"], err)
             # Bitwise equal to an independent executor of the same plan (NumPy simulator).
             sim = simulate_reduce_scatter(
-                lay, topo, [[x.float().numpy() for x in grads[u]] for u in range(world_size)],
-                alpha=alpha, accumulate=accumulate, outputs=[b.numpy() for b in bases], chunk_elems=13,
+                lay,
+                topo,
+                [[x.float().numpy() for x in grads[u]] for u in range(world_size)],
+                alpha=alpha,
+                accumulate=accumulate,
+                outputs=[b.numpy() for b in bases],
+                chunk_elems=13,
             )
             assert torch.equal(out, torch.from_numpy(sim.outputs[rank])), (dtype, accumulate, alpha)
             # Repeatable, and invariant under knobs that keep operand grouping.
             again = bases[rank].clone() if accumulate else torch.empty(E)
-            ReferenceTransport(topo, round_width=1).reduce_scatter(lay, grads[rank], again, alpha=alpha,
-                                                                  accumulate=accumulate)
+            ReferenceTransport(topo, round_width=1).reduce_scatter(
+                lay, grads[rank], again, alpha=alpha, accumulate=accumulate
+            )
             assert torch.equal(out, again)
 
     # Integer inputs with exact sums: bitwise equal to stock FSDP2 (_chunk_cat + reduce_scatter_tensor).

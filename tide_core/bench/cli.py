@@ -25,34 +25,59 @@ def _transport(world_size: int, nodes: int = 1, **overrides):
     from tide_core.config import TIDEConfig
     from tide_core.fsdp.options import cuda_options
     from tide_core.plan import Topology
-    from tide_core.transport import make_transport
-
     from tide_core.runtime.groups import group_device
+    from tide_core.transport import make_transport
 
     if world_size % nodes:
         raise SystemExit(f"--nodes {nodes} does not divide the {world_size} processes")
     config = TIDEConfig.from_env(**overrides)
-    return make_transport("auto", Topology(nodes, world_size // nodes), None, device=group_device(),
-                          options=cuda_options(config), validate_calls=config.validate_calls)
+    return make_transport(
+        "auto",
+        Topology(nodes, world_size // nodes),
+        None,
+        device=group_device(),
+        options=cuda_options(config),
+        validate_calls=config.validate_calls,
+    )
 
 
 def _collectives_worker(rank, world_size, args):
     t = _transport(world_size, args.nodes)
-    rows = collectives.run_collectives(rank, world_size, kind=args.command, sizes_mib=args.sizes, iters=args.iters,
-                                       transport=t, trace_dir=args.scratch if args.trace else None)
+    rows = collectives.run_collectives(
+        rank,
+        world_size,
+        kind=args.command,
+        sizes_mib=args.sizes,
+        iters=args.iters,
+        transport=t,
+        trace_dir=args.scratch if args.trace else None,
+    )
     rate = collectives.measure_push_rate(t)
     for key, values in args.sweep:
         for value in values:
             variant = _transport(world_size, args.nodes, **{key: value})
-            rows += collectives.run_collectives(rank, world_size, kind=args.command, sizes_mib=args.sizes,
-                                                iters=args.iters, transport=variant, tide_only=True,
-                                                label=f", {key}={value}")
+            rows += collectives.run_collectives(
+                rank,
+                world_size,
+                kind=args.command,
+                sizes_mib=args.sizes,
+                iters=args.iters,
+                transport=variant,
+                tide_only=True,
+                label=f", {key}={value}",
+            )
             variant.close()
     if rank == 0:
         body = collectives.format_rows(rows, floor_gbps=rate)
         if rate:
-            body += f"\n\nCopy-engine push rate (one 256 MiB cudaMemcpyBatchAsync into the next peer, all ranks at once): {rate:.0f} GB/s"
-        body += f"\n\nP = {30 if args.command == 'ag' else 16} uneven parameters; {args.iters} timed calls per system, each started after a barrier."
+            body += (
+                "\n\nCopy-engine push rate (one 256 MiB cudaMemcpyBatchAsync into the next peer, "
+                f"all ranks at once): {rate:.0f} GB/s"
+            )
+        body += (
+            f"\n\nP = {30 if args.command == 'ag' else 16} uneven parameters; {args.iters} timed calls per system, "
+            "each started after a barrier."
+        )
         print(body, flush=True)
         if args.write:
             kind = args.command if args.nodes == 1 else f"{args.command}-{args.nodes}nodes-emulated"
@@ -61,8 +86,10 @@ def _collectives_worker(rank, world_size, args):
                 kind += f"-{rail.name}-rail"
             title = f"TIDE-{args.command.upper()} vs stock FSDP2 vs bare NCCL"
             if args.nodes > 1:
-                title += (f" ({args.nodes} nodes x {world_size // args.nodes} GPUs emulated on one host: "
-                          f"TIDE's cross-node hops use {f'the {rail.name} rail' if rail else 'torch.distributed'})")
+                title += (
+                    f" ({args.nodes} nodes x {world_size // args.nodes} GPUs emulated on one host: "
+                    f"TIDE's cross-node hops use {f'the {rail.name} rail' if rail else 'torch.distributed'})"
+                )
             path = write_result(args.out, kind, title, body)
             print(f"wrote {path}")
         with open(os.path.join(args.scratch, f"{args.command}.json"), "w") as f:
@@ -75,8 +102,10 @@ def _copy_engine_worker(rank, world_size, args):
     rows = copyengine.run_copy_engine(rank, world_size, _transport(world_size))
     if rank == 0:
         body = copyengine.format_rows(rows)
-        body += ("\n\nEvery rank runs each case at once (pushes go to the next rank); 10 calls back to back, "
-                 "median of 5 runs.")
+        body += (
+            "\n\nEvery rank runs each case at once (pushes go to the next rank); 10 calls back to back, "
+            "median of 5 runs."
+        )
         print(body, flush=True)
         if args.write:
             print(f"wrote {write_result(args.out, 'copy-engine', 'Copy-engine probe', body)}")
@@ -90,11 +119,16 @@ def _interference_worker(rank, world_size, args):
     for key, values in args.sweep:
         for value in values:
             variant = _transport(world_size, **{key: value})
-            rows += interference.run_interference(rank, world_size, transport=variant, size_mib=args.sizes[0],
-                                                  tide_only=True, label=f", {key}={value}")
+            rows += interference.run_interference(
+                rank, world_size, transport=variant, size_mib=args.sizes[0], tide_only=True, label=f", {key}={value}"
+            )
             variant.close()
     if rank == 0:
-        body = interference.format_rows(rows) + f"\n\nCollectives use {args.sizes[0]} MiB per-rank shards; victims run on the compute stream while the collective loops on a side stream."
+        body = (
+            interference.format_rows(rows)
+            + f"\n\nCollectives use {args.sizes[0]} MiB per-rank shards; victims run on the compute stream "
+            "while the collective loops on a side stream."
+        )
         print(body, flush=True)
         if args.write:
             print(f"wrote {write_result(args.out, 'interference', 'Interference with concurrent compute', body)}")
@@ -138,36 +172,61 @@ def _sweep(text: str) -> tuple[str, list]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m tide_core.bench", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tide_core.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("command", choices=("ag", "rs", "ce", "interference", "train", "all"))
-    p.add_argument("--sizes", type=lambda s: [int(x) for x in s.split(",")], default=[32, 128],
-                   help="per-rank shard sizes in MiB (default 32,128)")
+    p.add_argument(
+        "--sizes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[32, 128],
+        help="per-rank shard sizes in MiB (default 32,128)",
+    )
     p.add_argument("--iters", type=int, default=20, help="timed calls per system (default 20)")
-    p.add_argument("--nodes", type=int, default=1,
-                   help="ag/rs: treat the processes as this many nodes (emulated on one host; TIDE's cross-node "
-                        "hops then run over the p2p rail)")
-    p.add_argument("--out", default=str(default_results_dir()),
-                   help="directory for the markdown results (default: %(default)s)")
+    p.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="ag/rs: treat the processes as this many nodes (emulated on one host; TIDE's cross-node "
+        "hops then run over the p2p rail)",
+    )
+    p.add_argument(
+        "--out", default=str(default_results_dir()), help="directory for the markdown results (default: %(default)s)"
+    )
     p.add_argument("--no-write", dest="write", action="store_false", help="print only")
     p.add_argument("--models", type=lambda s: s.split(","), default=["llama3-8b", "qwen3-moe"])
     p.add_argument("--layers", type=int, default=8, help="dense model layers (8 = ~2.8B)")
     p.add_argument("--moe-layers", type=int, default=8)
-    p.add_argument("--tokens", type=lambda s: [int(x) for x in s.split(",")], default=[2048, 4096, 8192],
-                   help="tokens per GPU per step")
+    p.add_argument(
+        "--tokens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[2048, 4096, 8192],
+        help="tokens per GPU per step",
+    )
     p.add_argument("--rounds", type=int, default=4, help="timed rounds after the warm-up round")
     p.add_argument("--steps", type=int, default=3, help="steps per system per round")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on every block")
     p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on real text (e.g. 200)")
-    p.add_argument("--phases", type=lambda s: s.split(","), default=["timing", "memory", "loss"],
-                   help="train phases to run (timing,memory,loss); the report combines what exists in --scratch")
+    p.add_argument(
+        "--phases",
+        type=lambda s: s.split(","),
+        default=["timing", "memory", "loss"],
+        help="train phases to run (timing,memory,loss); the report combines what exists in --scratch",
+    )
     p.add_argument("--loss-tokens", type=int, default=2048)
-    p.add_argument("--memory-detail", action="store_true",
-                   help="train memory phase: record the allocator's history over the measured steps and report "
-                        "what is live at the peak (slows those steps; CUDA only)")
-    p.add_argument("--sweep", type=_sweep, action="append", default=[],
-                   help="ag/rs/interference: also time TIDE with a TIDEConfig field at each value, "
-                        "e.g. copy_lanes=1,2,4")
+    p.add_argument(
+        "--memory-detail",
+        action="store_true",
+        help="train memory phase: record the allocator's history over the measured steps and report "
+        "what is live at the peak (slows those steps; CUDA only)",
+    )
+    p.add_argument(
+        "--sweep",
+        type=_sweep,
+        action="append",
+        default=[],
+        help="ag/rs/interference: also time TIDE with a TIDEConfig field at each value, e.g. copy_lanes=1,2,4",
+    )
     p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p
@@ -196,5 +255,3 @@ def main(argv=None) -> int:
             launch(_interference_worker, args)
     print(f"raw results: {args.scratch}")
     return 0
-
-

@@ -63,8 +63,18 @@ def _reduce_scatter(out, inp, op):
     return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, op=op)
 
 
-def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[int], iters: int, transport,
-                    tide_only: bool = False, label: str = "", trace_dir: str | None = None) -> list[dict]:
+def run_collectives(
+    rank: int,
+    world_size: int,
+    *,
+    kind: str,
+    sizes_mib: list[int],
+    iters: int,
+    transport,
+    tide_only: bool = False,
+    label: str = "",
+    trace_dir: str | None = None,
+) -> list[dict]:
     """One row per (size, system); every rank returns the same rows. ``tide_only``: TIDE's row
     alone, named with ``label`` (for knob sweeps); ``trace_dir``: also write a compact profiler
     trace of each system (rank 0)."""
@@ -79,11 +89,15 @@ def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[in
         N = world_size
         gen = torch.Generator(device="cpu").manual_seed(rank)
         if kind == "ag":
-            shards = [torch.randn(layout.shard_numel(p), generator=gen).to(device, torch.bfloat16)
-                      for p in range(layout.num_params)]
+            shards = [
+                torch.randn(layout.shard_numel(p), generator=gen).to(device, torch.bfloat16)
+                for p in range(layout.num_params)
+            ]
             landing = transport.landing_buffers(layout, slot=f"bench{size}", dtype=torch.bfloat16)
-            params = [torch.empty(N * layout.padded_rows(p), layout.cols[p], dtype=torch.bfloat16, device=device)
-                      for p in range(layout.num_params)]
+            params = [
+                torch.empty(N * layout.padded_rows(p), layout.cols[p], dtype=torch.bfloat16, device=device)
+                for p in range(layout.num_params)
+            ]
             flat_in = torch.randn(layout.total_shard_numel, generator=gen).to(device, torch.bfloat16)
             flat_out = torch.empty(N * layout.total_shard_numel, dtype=torch.bfloat16, device=device)
             systems = {
@@ -93,13 +107,17 @@ def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[in
             }
             moved = (N - 1) * S
         else:
-            grads = [torch.randn(layout.rows[p], layout.cols[p], generator=gen).to(device, torch.bfloat16)
-                     for p in range(layout.num_params)]
+            grads = [
+                torch.randn(layout.rows[p], layout.cols[p], generator=gen).to(device, torch.bfloat16)
+                for p in range(layout.num_params)
+            ]
             out = torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
             packed = torch.randn(N * layout.total_shard_numel, generator=gen).to(device)
             systems = {
-                f"TIDE ({transport.name})": (lambda: transport.reduce_scatter(layout, grads, out, alpha=1.0 / N).wait(),
-                                             None),
+                f"TIDE ({transport.name})": (
+                    lambda: transport.reduce_scatter(layout, grads, out, alpha=1.0 / N).wait(),
+                    None,
+                ),
                 "stock FSDP2": (lambda: _stock_reduce_scatter(layout, grads, out), 4 * N * layout.total_shard_numel),
                 f"bare {bare} (fp32, pre-packed)": (lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG), 0),
             }
@@ -117,12 +135,24 @@ def run_collectives(rank: int, world_size: int, *, kind: str, sizes_mib: list[in
             kernels, copies = count_kernels(fn)
             if buffer_bytes is None:
                 buffer_bytes = transport.staging_bytes
-            rows.append({
-                "op": kind, "size_mib": size, "S": S, "world_size": world_size, "system": name, "min_ms": timing.min,
-                "median_ms": timing.median, "iqr_ms": timing.spread, "gbps": moved / (timing.median * 1e-3) / 1e9,
-                "pipelined_ms": pipelined_ms, "host_ms": host_ms,
-                "kernels": kernels, "copies": copies, "buffer_bytes": buffer_bytes,
-            })
+            rows.append(
+                {
+                    "op": kind,
+                    "size_mib": size,
+                    "S": S,
+                    "world_size": world_size,
+                    "system": name,
+                    "min_ms": timing.min,
+                    "median_ms": timing.median,
+                    "iqr_ms": timing.spread,
+                    "gbps": moved / (timing.median * 1e-3) / 1e9,
+                    "pipelined_ms": pipelined_ms,
+                    "host_ms": host_ms,
+                    "kernels": kernels,
+                    "copies": copies,
+                    "buffer_bytes": buffer_bytes,
+                }
+            )
     return rows
 
 
@@ -143,16 +173,52 @@ def format_rows(rows: list[dict], floor_gbps: float | None = None) -> str:
                 floor_ms = (r.get("world_size", 2) - 1) * r["S"] / (floor_gbps * 1e9) * 1e3
                 floor = f"{r['median_ms'] / floor_ms:.2f}x"
             pipelined_speedup = stock["pipelined_ms"] / r["pipelined_ms"]
-            table.append([op.upper(), f"{size} MiB", r["system"], f"{r['min_ms']:.3f}", f"{r['median_ms']:.3f}",
-                          f"{r['iqr_ms']:.3f}", f"{r['gbps']:.0f}", f"{speedup:.2f}x", floor,
-                          f"{r['pipelined_ms']:.3f}", f"{pipelined_speedup:.2f}x", f"{r['host_ms'] * 1e3:.0f}",
-                          r["kernels"], r["copies"], f"{r['buffer_bytes'] / MiB:.0f} MiB"])
-    out.append(markdown_table(
-        ["op", "shard S", "system", "min ms", "median ms", "IQR ms", "GB/s", "vs stock", "vs CE floor",
-         "back-to-back ms/call", "vs stock (b2b)", "host enqueue us/call", "SM kernels", "copies", "temp buffer"], table))
-    out.append("\nmin/median/IQR: each call started from idle after a barrier (host enqueue time included). "
-               "Back-to-back: 10 calls enqueued without waiting, device time per call (host enqueue overlapped, as "
-               "when FSDP2 prefetches).")
+            table.append(
+                [
+                    op.upper(),
+                    f"{size} MiB",
+                    r["system"],
+                    f"{r['min_ms']:.3f}",
+                    f"{r['median_ms']:.3f}",
+                    f"{r['iqr_ms']:.3f}",
+                    f"{r['gbps']:.0f}",
+                    f"{speedup:.2f}x",
+                    floor,
+                    f"{r['pipelined_ms']:.3f}",
+                    f"{pipelined_speedup:.2f}x",
+                    f"{r['host_ms'] * 1e3:.0f}",
+                    r["kernels"],
+                    r["copies"],
+                    f"{r['buffer_bytes'] / MiB:.0f} MiB",
+                ]
+            )
+    out.append(
+        markdown_table(
+            [
+                "op",
+                "shard S",
+                "system",
+                "min ms",
+                "median ms",
+                "IQR ms",
+                "GB/s",
+                "vs stock",
+                "vs CE floor",
+                "back-to-back ms/call",
+                "vs stock (b2b)",
+                "host enqueue us/call",
+                "SM kernels",
+                "copies",
+                "temp buffer",
+            ],
+            table,
+        )
+    )
+    out.append(
+        "\nmin/median/IQR: each call started from idle after a barrier (host enqueue time included). "
+        "Back-to-back: 10 calls enqueued without waiting, device time per call (host enqueue overlapped, as "
+        "when FSDP2 prefetches)."
+    )
     return "\n".join(out)
 
 

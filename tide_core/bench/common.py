@@ -39,8 +39,16 @@ def launch(worker, args, world_size: int | None = None, backend: str | None = No
 
 def _entry(rank, worker, world_size, port, backend, args):
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # before CUDA starts: more hardware queues
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    os.environ.update(
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+    )
     _init(backend)
     _run(worker, args)
 
@@ -142,7 +150,7 @@ def count_kernels(fn) -> tuple[int, int]:
 
 def environment() -> dict:
     info = {
-        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "host": platform.node(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -155,8 +163,12 @@ def environment() -> dict:
         except Exception:
             pass
         try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=10)
+            out = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             info["driver"] = out.stdout.strip().splitlines()[0]
         except Exception:
             pass

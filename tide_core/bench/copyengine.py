@@ -82,14 +82,28 @@ def run_copy_engine(rank: int, world_size: int, transport) -> list[dict]:
         cases["peer 30 + local 30, 2 streams"] = [p30, l30]
         cases["peer 30 on 2 + local 30, 3 streams"] = spread(p30, 2) + [l30]
         for name, batches in cases.items():
-            fn = _Case(dev, streams[:len(batches)], batches)
+            fn = _Case(dev, streams[: len(batches)], batches)
             fn()
             device_ms, host_ms = time_back_to_back(fn)
             moved = total * (2 if "+" in name else 1)
-            rows.append({"case": name, "MiB": total // MiB, "ms": device_ms, "host_us": host_ms * 1e3,
-                         "GB/s": moved / (device_ms * 1e-3) / 1e9})
-    rows.append({"case": "signal round trip (write peer flag, wait for the answer)", "MiB": 0,
-                 "ms": _round_trip(transport, rank, world_size), "host_us": None, "GB/s": None})
+            rows.append(
+                {
+                    "case": name,
+                    "MiB": total // MiB,
+                    "ms": device_ms,
+                    "host_us": host_ms * 1e3,
+                    "GB/s": moved / (device_ms * 1e-3) / 1e9,
+                }
+            )
+    rows.append(
+        {
+            "case": "signal round trip (write peer flag, wait for the answer)",
+            "MiB": 0,
+            "ms": _round_trip(transport, rank, world_size),
+            "host_us": None,
+            "GB/s": None,
+        }
+    )
     return rows
 
 
@@ -120,8 +134,16 @@ def _round_trip(transport, rank: int, world_size: int, iters: int = 200) -> floa
 
 
 def format_rows(rows: list[dict]) -> str:
-    table = [[r["case"], r["MiB"], f"{r['ms']:.4f}", "" if r["host_us"] is None else f"{r['host_us']:.0f}",
-              "" if r["GB/s"] is None else f"{r['GB/s']:.0f}"] for r in rows]
+    table = [
+        [
+            r["case"],
+            r["MiB"],
+            f"{r['ms']:.4f}",
+            "" if r["host_us"] is None else f"{r['host_us']:.0f}",
+            "" if r["GB/s"] is None else f"{r['GB/s']:.0f}",
+        ]
+        for r in rows
+    ]
     return markdown_table(["case", "MiB per rank", "device ms per call", "host us per call", "GB/s"], table)
 
 
@@ -152,8 +174,17 @@ def trace(fn, path: str | None, calls: int = 3) -> None:
     keep = ("kernel", "gpu_memcpy", "gpu_memset", "cuda_runtime", "cuda_driver", "cpu_op")
     rows = [e for e in events if e.get("cat") in keep and "ts" in e]
     t0 = min((float(e["ts"]) for e in rows), default=0.0)
-    compact = [[e["name"], e["cat"], e.get("tid"), round(float(e["ts"]) - t0, 1), round(float(e.get("dur", 0)), 1),
-                e.get("args", {}).get("bytes")] for e in sorted(rows, key=lambda e: float(e["ts"]))]
+    compact = [
+        [
+            e["name"],
+            e["cat"],
+            e.get("tid"),
+            round(float(e["ts"]) - t0, 1),
+            round(float(e.get("dur", 0)), 1),
+            e.get("args", {}).get("bytes"),
+        ]
+        for e in sorted(rows, key=lambda e: float(e["ts"]))
+    ]
     with open(path, "w") as f:
         json.dump(compact, f)
     os.remove(raw)

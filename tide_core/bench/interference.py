@@ -17,7 +17,14 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from tide_core.bench.collectives import MiB, _all_gather, _reduce_scatter, _stock_all_gather, _stock_reduce_scatter, bench_shapes
+from tide_core.bench.collectives import (
+    MiB,
+    _all_gather,
+    _reduce_scatter,
+    _stock_all_gather,
+    _stock_reduce_scatter,
+    bench_shapes,
+)
 from tide_core.bench.common import markdown_table, time_collective
 from tide_core.plan import GroupLayout
 
@@ -67,13 +74,20 @@ def _time_victim_under(victim, collective, reps: int, calls_per_rep: int, side) 
     busy_to.record(side)
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    inside = [s.elapsed_time(e) for s, e in times
-              if busy_from.elapsed_time(s) >= 0 and e.elapsed_time(busy_to) >= 0]
+    inside = [s.elapsed_time(e) for s, e in times if busy_from.elapsed_time(s) >= 0 and e.elapsed_time(busy_to) >= 0]
     return (statistics.median(inside) if inside else float("nan")), len(inside)
 
 
-def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 32, reps: int = 30,
-                     tide_only: bool = False, label: str = "") -> list[dict]:
+def run_interference(
+    rank: int,
+    world_size: int,
+    *,
+    transport,
+    size_mib: int = 32,
+    reps: int = 30,
+    tide_only: bool = False,
+    label: str = "",
+) -> list[dict]:
     """Rows per (collective, victim); ``tide_only``: TIDE's collectives only, named with ``label``
     (a --sweep variant)."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -81,12 +95,18 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
     lay_ag = GroupLayout.from_shapes(bench_shapes(30, size_mib * MiB, N), N, itemsize=2)
     lay_rs = GroupLayout.from_shapes(bench_shapes(16, size_mib * MiB, N), N, itemsize=2)
     gen = torch.Generator().manual_seed(rank)
-    shards = [torch.randn(lay_ag.shard_numel(p), generator=gen).to(device, torch.bfloat16) for p in range(lay_ag.num_params)]
+    shards = [
+        torch.randn(lay_ag.shard_numel(p), generator=gen).to(device, torch.bfloat16) for p in range(lay_ag.num_params)
+    ]
     landing = transport.landing_buffers(lay_ag, slot="interference", dtype=torch.bfloat16)
-    params = [torch.empty(N * lay_ag.padded_rows(p), lay_ag.cols[p], dtype=torch.bfloat16, device=device)
-              for p in range(lay_ag.num_params)]
-    grads = [torch.randn(lay_rs.rows[p], lay_rs.cols[p], generator=gen).to(device, torch.bfloat16)
-             for p in range(lay_rs.num_params)]
+    params = [
+        torch.empty(N * lay_ag.padded_rows(p), lay_ag.cols[p], dtype=torch.bfloat16, device=device)
+        for p in range(lay_ag.num_params)
+    ]
+    grads = [
+        torch.randn(lay_rs.rows[p], lay_rs.cols[p], generator=gen).to(device, torch.bfloat16)
+        for p in range(lay_rs.num_params)
+    ]
     out = torch.empty(lay_rs.total_shard_numel, device=device)
     flat_in = torch.empty(lay_ag.total_shard_numel, dtype=torch.bfloat16, device=device)
     flat_out = torch.empty(N * lay_ag.total_shard_numel, dtype=torch.bfloat16, device=device)
@@ -96,12 +116,14 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
         f"TIDE-RS{label}": lambda: transport.reduce_scatter(lay_rs, grads, out, alpha=1.0 / N).wait(),
     }
     if not tide_only:
-        collectives.update({
-            "stock FSDP2 AG": lambda: _stock_all_gather(lay_ag, shards, params, rank),
-            "stock FSDP2 RS": lambda: _stock_reduce_scatter(lay_rs, grads, out),
-            "NCCL AG": lambda: _all_gather(flat_out, flat_in),
-            "NCCL RS (fp32)": lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG),
-        })
+        collectives.update(
+            {
+                "stock FSDP2 AG": lambda: _stock_all_gather(lay_ag, shards, params, rank),
+                "stock FSDP2 RS": lambda: _stock_reduce_scatter(lay_rs, grads, out),
+                "NCCL AG": lambda: _all_gather(flat_out, flat_in),
+                "NCCL RS (fp32)": lambda: _reduce_scatter(out, packed, op=dist.ReduceOp.AVG),
+            }
+        )
     victims = _victims(device)
     for fn in victims.values():
         fn()
@@ -122,9 +144,18 @@ def run_interference(rank: int, world_size: int, *, transport, size_mib: int = 3
             dist.barrier()
             torch.cuda.synchronize()
             under, overlapped = _time_victim_under(vfn, cfn, reps, calls, side)
-            rows.append({"collective": cname, "victim": vname, "alone_ms": alone[vname], "under_ms": under,
-                         "slowdown_pct": 100.0 * (under / alone[vname] - 1.0), "collective_ms": coll_ms,
-                         "overlapped": overlapped, "reps": reps})
+            rows.append(
+                {
+                    "collective": cname,
+                    "victim": vname,
+                    "alone_ms": alone[vname],
+                    "under_ms": under,
+                    "slowdown_pct": 100.0 * (under / alone[vname] - 1.0),
+                    "collective_ms": coll_ms,
+                    "overlapped": overlapped,
+                    "reps": reps,
+                }
+            )
     return rows
 
 
@@ -139,6 +170,8 @@ def format_rows(rows: list[dict]) -> str:
         table.append(cells)
     alone = {r["victim"]: r["alone_ms"] for r in rows}
     note = "Victims alone (median ms): " + ", ".join(f"{v} {alone[v]:.3f}" for v in victims)
-    note += (". In parentheses: victim runs that lay wholly inside the collectives' busy interval, of all runs; "
-             "only those are counted.")
+    note += (
+        ". In parentheses: victim runs that lay wholly inside the collectives' busy interval, of all runs; "
+        "only those are counted."
+    )
     return markdown_table(["collective", "call ms (alone)"] + [f"{v} slowdown" for v in victims], table) + "\n\n" + note

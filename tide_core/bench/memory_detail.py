@@ -35,8 +35,7 @@ _PLUMBING = ("/torch/nn/modules/module.py", "/torch/utils/", "/torch/_dynamo/", 
 
 def supported() -> bool:
     memory = torch.cuda.memory
-    return (torch.cuda.is_available() and hasattr(memory, "_record_memory_history")
-            and hasattr(memory, "_snapshot"))
+    return torch.cuda.is_available() and hasattr(memory, "_record_memory_history") and hasattr(memory, "_snapshot")
 
 
 def record_block_stacks() -> None:
@@ -49,8 +48,9 @@ def record_events() -> int:
     history cannot explain by itself."""
     torch.cuda.synchronize()
     resident = torch.cuda.memory_allocated()
-    torch.cuda.memory._record_memory_history("all", context="alloc", stacks="python", max_entries=MAX_ENTRIES,
-                                             clear_history=True)
+    torch.cuda.memory._record_memory_history(
+        "all", context="alloc", stacks="python", max_entries=MAX_ENTRIES, clear_history=True
+    )
     return resident
 
 
@@ -88,8 +88,9 @@ def _path(frame: dict) -> str:
 
 
 def _step_frame(frames: list[dict]) -> dict | None:
-    return next((f for f in frames if _path(f).endswith("tide_core/bench/train.py") and f["name"] == "train_step"),
-                None)
+    return next(
+        (f for f in frames if _path(f).endswith("tide_core/bench/train.py") and f["name"] == "train_step"), None
+    )
 
 
 def phase_of(frames: list[dict], phases: dict[int, str]) -> str:
@@ -155,19 +156,25 @@ def peak_attribution(snapshot: dict, resident_bytes: int, phases: dict[int, str]
     live_at_end = set(live)
 
     live_at_peak: dict[int, dict] = {}
-    for e in trace[:peak_index + 1]:
+    for e in trace[: peak_index + 1]:
         if e["action"] == "alloc":
             live_at_peak[e["addr"]] = e
         elif e["action"] == "free_requested":
             live_at_peak.pop(e["addr"], None)
-    resident_kept = [b for s in snapshot["segments"] if s.get("device", device) == device for b in s["blocks"]
-                     if b["state"] == "active_allocated" and b["address"] not in live_at_end]
+    resident_kept = [
+        b
+        for s in snapshot["segments"]
+        if s.get("device", device) == device
+        for b in s["blocks"]
+        if b["state"] == "active_allocated" and b["address"] not in live_at_end
+    ]
 
     blocks = [(block_bytes(e["size"]), e.get("frames", []), True) for e in live_at_peak.values()]
     blocks += [(block_bytes(e["size"]), e.get("frames", []), False) for i, e in resident_freed if i > peak_index]
     blocks += [(b["size"], b.get("frames", []), False) for b in resident_kept]
-    residual = (resident_bytes - sum(b["size"] for b in resident_kept)
-                - sum(block_bytes(e["size"]) for _, e in resident_freed))
+    residual = (
+        resident_bytes - sum(b["size"] for b in resident_kept) - sum(block_bytes(e["size"]) for _, e in resident_freed)
+    )
 
     categories: dict[str, int] = {RESIDENT_RESIDUAL: residual} if residual else {}
     for size, frames, measured in blocks:
@@ -181,9 +188,15 @@ def peak_attribution(snapshot: dict, resident_bytes: int, phases: dict[int, str]
         "resident_at_peak": residual + sum(size for size, _, measured in blocks if not measured),
         "phase": "before the measured steps" if peak_frames is None else phase_of(peak_frames, phases),
         "categories": dict(sorted(categories.items(), key=lambda kv: -kv[1])),
-        "top_blocks": [{"bytes": size, "category": category(frames, phases, measured=measured),
-                        "resident": not measured, "where": frame_summary(frames)}
-                       for size, frames, measured in top],
+        "top_blocks": [
+            {
+                "bytes": size,
+                "category": category(frames, phases, measured=measured),
+                "resident": not measured,
+                "where": frame_summary(frames),
+            }
+            for size, frames, measured in top
+        ],
         "events": len(trace),
         "history_full": len(trace) >= MAX_ENTRIES,
     }

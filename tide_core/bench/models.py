@@ -129,8 +129,10 @@ class MoEFFN(nn.Module):
         buf = flat.new_zeros(c.experts * capacity, D)
         buf[dest] = flat[token]
         h = buf.view(c.experts, capacity, D)
-        h = torch.bmm(F.silu(torch.bmm(h, self.w1.transpose(1, 2))) * torch.bmm(h, self.w3.transpose(1, 2)),
-                      self.w2.transpose(1, 2))
+        h = torch.bmm(
+            F.silu(torch.bmm(h, self.w1.transpose(1, 2))) * torch.bmm(h, self.w3.transpose(1, 2)),
+            self.w2.transpose(1, 2),
+        )
         out = flat.new_zeros(n, D)
         out.index_add_(0, token, h.reshape(-1, D)[dest] * weights.reshape(-1)[order[keep]].unsqueeze(-1))
         return out.view(B, T, D)

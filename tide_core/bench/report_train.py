@@ -36,10 +36,12 @@ def loss_summary(losses: dict) -> tuple[str, dict]:
     spread = max(abs(a - b) for a, b in zip(ma[base][skip:], ma[other][skip:]))
     tide_diff = max(abs(a - b) for a, b in zip(ma[base][skip:], ma[tide][skip:]))
     final = {k: v[-1] for k, v in ma.items()}
-    text = (f"Loss over {len(losses[base])} steps on real text (10-step moving average, steps >= {skip}): "
-            f"stock run-to-run spread (seed 0 vs seed 1) max {spread:.4f}; TIDE In-Place vs stock (same data) max "
-            f"{tide_diff:.4f} -> {'within' if tide_diff <= spread else 'OUTSIDE'} stock's spread. Final: "
-            + ", ".join(f"{k} {v:.4f}" for k, v in final.items()))
+    text = (
+        f"Loss over {len(losses[base])} steps on real text (10-step moving average, steps >= {skip}): "
+        f"stock run-to-run spread (seed 0 vs seed 1) max {spread:.4f}; TIDE In-Place vs stock (same data) max "
+        f"{tide_diff:.4f} -> {'within' if tide_diff <= spread else 'OUTSIDE'} stock's spread. Final: "
+        + ", ".join(f"{k} {v:.4f}" for k, v in final.items())
+    )
     return text, {"spread": spread, "tide_diff": tide_diff}
 
 
@@ -53,27 +55,51 @@ def peak_tables(memory: dict) -> list[str]:
     for tokens in sorted({t for s in systems for t in memory[s]}, key=int):
         details = {s: memory[s].get(tokens, {}).get("detail") for s in systems}
         details = {s: d for s, d in details.items() if d}
-        names = sorted({c for d in details.values() for c in d["categories"]},
-                       key=lambda c: -max(d["categories"].get(c, 0) for d in details.values()))
+        names = sorted(
+            {c for d in details.values() for c in d["categories"]},
+            key=lambda c: -max(d["categories"].get(c, 0) for d in details.values()),
+        )
         rows = [["peak phase", *(d["phase"] for d in details.values())]]
-        rows += [[c, *(f"{d['categories'][c] / GiB:.2f}" if c in d["categories"] else "-" for d in details.values())]
-                 for c in names]
-        rows += [["= replayed peak", *(f"{d['peak_bytes'] / GiB:.2f}" for d in details.values())],
-                 ["of it resident before the measured steps", *(f"{d['resident_at_peak'] / GiB:.2f}" for d in details.values())],
-                 ["max_memory_allocated - replayed (MiB)",
-                  *(f"{(memory[s][tokens]['peak_allocated'] - d['peak_bytes']) / 2**20:.0f}" for s, d in details.items())]]
-        largest = [[s, f"{b['bytes'] / 2**20:.0f}", b["category"], "yes" if b["resident"] else "no", b["where"]]
-                   for s, d in details.items() for b in d["top_blocks"]]
-        lines += ["", f"Where the peak is, {tokens} tokens/GPU (GiB live at the peak, rank 0):", "",
-                  markdown_table(["category", *details], rows), "", f"Largest blocks live at the peak, {tokens} tokens/GPU:",
-                  "", markdown_table(["system", "MiB", "category", "resident", "allocated at (innermost first)"], largest)]
+        rows += [
+            [c, *(f"{d['categories'][c] / GiB:.2f}" if c in d["categories"] else "-" for d in details.values())]
+            for c in names
+        ]
+        rows += [
+            ["= replayed peak", *(f"{d['peak_bytes'] / GiB:.2f}" for d in details.values())],
+            [
+                "of it resident before the measured steps",
+                *(f"{d['resident_at_peak'] / GiB:.2f}" for d in details.values()),
+            ],
+            [
+                "max_memory_allocated - replayed (MiB)",
+                *(f"{(memory[s][tokens]['peak_allocated'] - d['peak_bytes']) / 2**20:.0f}" for s, d in details.items()),
+            ],
+        ]
+        largest = [
+            [s, f"{b['bytes'] / 2**20:.0f}", b["category"], "yes" if b["resident"] else "no", b["where"]]
+            for s, d in details.items()
+            for b in d["top_blocks"]
+        ]
+        lines += [
+            "",
+            f"Where the peak is, {tokens} tokens/GPU (GiB live at the peak, rank 0):",
+            "",
+            markdown_table(["category", *details], rows),
+            "",
+            f"Largest blocks live at the peak, {tokens} tokens/GPU:",
+            "",
+            markdown_table(["system", "MiB", "category", "resident", "allocated at (innermost first)"], largest),
+        ]
         full = [s for s, d in details.items() if d["history_full"]]
         if full:
             lines += ["", f"History buffer full for {', '.join(full)}: events were lost, the attribution is wrong."]
-    lines += ["", "Replayed from the allocator's history (`--memory-detail`): resident = allocated before the measured "
-              "steps; FSDP2/TIDE rows are named by the allocating function (FSDP2 foreach_reduce's output holds the "
-              "sharded gradients). The replay counts requested sizes rounded to 512 B; the allocator counts whole "
-              "blocks, so the replay can sit under max_memory_allocated."]
+    lines += [
+        "",
+        "Replayed from the allocator's history (`--memory-detail`): resident = allocated before the measured "
+        "steps; FSDP2/TIDE rows are named by the allocating function (FSDP2 foreach_reduce's output holds the "
+        "sharded gradients). The replay counts requested sizes rounded to 512 B; the allocator counts whole "
+        "blocks, so the replay can sit under max_memory_allocated.",
+    ]
     return lines
 
 
@@ -83,10 +109,18 @@ def write_train_report(args) -> Path:
     memory = {s: _load(args.scratch, f"{model}-memory-{s}.json") for s in ("stock", "in_place", "slot_reuse")}
     losses = _load(args.scratch, f"{model}-loss.json")
     if timing is None and losses is None:  # a memory-only run
-        rows = [[tokens, s, f"{point['peak_allocated'] / GiB:.2f}", f"{point['peak_reserved'] / GiB:.2f}"]
-                for s, m in memory.items() if m for tokens, point in m.items()]
-        body = [markdown_table(["tokens/GPU", "system", "peak alloc GiB", "peak reserved GiB"], rows), "",
-                "Each system in its own launch; peak over two steps after a warm-up step.", *peak_tables(memory)]
+        rows = [
+            [tokens, s, f"{point['peak_allocated'] / GiB:.2f}", f"{point['peak_reserved'] / GiB:.2f}"]
+            for s, m in memory.items()
+            if m
+            for tokens, point in m.items()
+        ]
+        body = [
+            markdown_table(["tokens/GPU", "system", "peak alloc GiB", "peak reserved GiB"], rows),
+            "",
+            "Each system in its own launch; peak over two steps after a warm-up step.",
+            *peak_tables(memory),
+        ]
         return write_result(args.out, f"memory-{model}", f"Training step memory: {model}", "\n".join(body))
     if timing is None:  # a loss-only run
         text, _ = loss_summary(losses)
@@ -100,20 +134,45 @@ def write_train_report(args) -> Path:
         for s, r in point.items():
             mem = (memory.get(s) or {}).get(str(tokens))
             prof = r.get("profile", {})
-            rows.append([tokens, s, f"{r['median_ms']:.1f}", f"{r['iqr_ms']:.1f}", r["n"],
-                         f"{100 * (1 - r['median_ms'] / stock):+.1f}%" if s != "stock" else "-",
-                         f"{mem['peak_allocated'] / GiB:.1f}" if mem else "n/m",
-                         f"{mem['peak_reserved'] / GiB:.1f}" if mem else "n/m",
-                         f"{prof['layout_copy_ms']:.1f}" if prof else "", f"{prof['nccl_kernel_ms']:.1f}" if prof else "",
-                         f"{prof['tide_kernel_ms']:.1f}" if prof else "", f"{prof['comm_sm_ms']:.1f}" if prof else ""])
+            rows.append(
+                [
+                    tokens,
+                    s,
+                    f"{r['median_ms']:.1f}",
+                    f"{r['iqr_ms']:.1f}",
+                    r["n"],
+                    f"{100 * (1 - r['median_ms'] / stock):+.1f}%" if s != "stock" else "-",
+                    f"{mem['peak_allocated'] / GiB:.1f}" if mem else "n/m",
+                    f"{mem['peak_reserved'] / GiB:.1f}" if mem else "n/m",
+                    f"{prof['layout_copy_ms']:.1f}" if prof else "",
+                    f"{prof['nccl_kernel_ms']:.1f}" if prof else "",
+                    f"{prof['tide_kernel_ms']:.1f}" if prof else "",
+                    f"{prof['comm_sm_ms']:.1f}" if prof else "",
+                ]
+            )
     body = [
         f"Model: {model}, {args.layers} layers, {timing['params'] / 1e9:.2f}B parameters, random init; bf16 params, "
-        f"fp32 reduce, fused AdamW; activation checkpointing {'on' if args.ac else 'off'}; systems interleaved by round "
+        f"fp32 reduce, fused AdamW; activation checkpointing {'on' if args.ac else 'off'}; "
+        "systems interleaved by round "
         f"({args.rounds} timed rounds x {args.steps} steps after a warm-up round).",
         "",
-        markdown_table(["tokens/GPU", "system", "median ms", "IQR ms", "steps", "saving vs stock", "peak alloc GiB",
-                        "peak reserved GiB", "layout-copy kernel ms", "NCCL kernel ms", "TIDE kernels ms (sums, local copies)",
-                        "comm SM-ms/step"], rows),
+        markdown_table(
+            [
+                "tokens/GPU",
+                "system",
+                "median ms",
+                "IQR ms",
+                "steps",
+                "saving vs stock",
+                "peak alloc GiB",
+                "peak reserved GiB",
+                "layout-copy kernel ms",
+                "NCCL kernel ms",
+                "TIDE kernels ms (sums, local copies)",
+                "comm SM-ms/step",
+            ],
+            rows,
+        ),
         "",
         "Profile columns come from one traced step at the first tokens/GPU point; memory from a separate launch per "
         "system (peak over two steps after a warm-up step).",
@@ -169,12 +228,19 @@ def _step_memory_plot(md_path: Path, timing, memory, points, plt) -> Path:
     width = 0.8 / len(systems)
     for i, s in enumerate(systems):
         xs = [j + i * width for j in range(len(points))]
-        axes[0].bar(xs, [timing["points"][p][s]["median_ms"] for p in points], width, label=s,
-                    yerr=[timing["points"][p][s]["iqr_ms"] / 2 for p in points])
+        axes[0].bar(
+            xs,
+            [timing["points"][p][s]["median_ms"] for p in points],
+            width,
+            label=s,
+            yerr=[timing["points"][p][s]["iqr_ms"] / 2 for p in points],
+        )
         if all(memory.get(s) for s in systems):
             axes[1].bar(xs, [memory[s][p]["peak_allocated"] / GiB for p in points], width, label=s)
     for ax, label in zip(axes, ("median step time (ms)", "peak allocated (GiB)")):
-        ax.set_xticks([j + width * (len(systems) - 1) / 2 for j in range(len(points))], [f"{p} tok/GPU" for p in points])
+        ax.set_xticks(
+            [j + width * (len(systems) - 1) / 2 for j in range(len(points))], [f"{p} tok/GPU" for p in points]
+        )
         ax.set_ylabel(label)
         ax.legend()
     fig.tight_layout()
@@ -191,6 +257,9 @@ if __name__ == "__main__":  # re-render from a scratch directory
     p.add_argument("--model", default="llama3-8b")
     p.add_argument("--out", default=str(default_results_dir()))
     a = p.parse_args()
-    print(write_train_report(argparse.Namespace(scratch=a.scratch, model=a.model, out=a.out, layers=0, ac=False,
-                                                rounds=0, steps=0)))
+    print(
+        write_train_report(
+            argparse.Namespace(scratch=a.scratch, model=a.model, out=a.out, layers=0, ac=False, rounds=0, steps=0)
+        )
+    )
     print(environment())

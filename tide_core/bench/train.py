@@ -32,8 +32,9 @@ LAYOUT_KERNELS = ("split_with_sizes", "chunk_cat")
 
 
 def build(config, system: str, *, ac: bool, seed: int = 0):
-    import tide_core
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import tide_core
 
     torch.manual_seed(seed)
     with torch.device(_device()):
@@ -107,8 +108,12 @@ def profile_step(model, opt, vocab, tokens, rank) -> dict:
             collective_ms += ms
         elif "tide::" in e.name:  # tide_core._C's kernels: reduce-scatter sums, local shard placement
             tide_ms += ms
-    return {"layout_copy_ms": layout_ms, "nccl_kernel_ms": collective_ms, "tide_kernel_ms": tide_ms,
-            "comm_sm_ms": collective_ms + tide_ms}
+    return {
+        "layout_copy_ms": layout_ms,
+        "nccl_kernel_ms": collective_ms,
+        "tide_kernel_ms": tide_ms,
+        "comm_sm_ms": collective_ms + tide_ms,
+    }
 
 
 def timing_pass(rank: int, world_size: int, args) -> dict:
@@ -119,7 +124,7 @@ def timing_pass(rank: int, world_size: int, args) -> dict:
         times = {s: [] for s in SYSTEMS}
         step = 0
         for rnd in range(args.rounds + 1):
-            order = SYSTEMS[rnd % 3:] + SYSTEMS[: rnd % 3]
+            order = SYSTEMS[rnd % 3 :] + SYSTEMS[: rnd % 3]
             for s in order:
                 model, opt, _ = runs[s]
                 t = timed_steps(model, opt, config.vocab, tokens, args.steps, rank, step)
@@ -135,8 +140,10 @@ def timing_pass(rank: int, world_size: int, args) -> dict:
                 point[s]["profile"] = profile_step(runs[s][0], runs[s][1], config.vocab, tokens, rank)
         results["points"][tokens] = point
         if rank == 0:
-            print(f"[train] tokens/GPU={tokens}: " + ", ".join(f"{s} {point[s]['median_ms']:.1f} ms" for s in SYSTEMS),
-                  flush=True)
+            print(
+                f"[train] tokens/GPU={tokens}: " + ", ".join(f"{s} {point[s]['median_ms']:.1f} ms" for s in SYSTEMS),
+                flush=True,
+            )
     for s in SYSTEMS[1:]:
         handle = runs[s][2]
         results[f"report_{s}"] = handle.report() if handle is not None else ""
@@ -163,12 +170,16 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
         if detail:
             resident = memory_detail.record_events()
         timed_steps(model, opt, config.vocab, tokens, 2, rank, 1)
-        out[tokens] = {"peak_allocated": torch.cuda.max_memory_allocated(), "peak_reserved": torch.cuda.max_memory_reserved()}
+        out[tokens] = {
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+        }
         if detail:
             snapshot = memory_detail.stop_events()
             if rank == 0:  # only rank 0's result is written
                 out[tokens]["detail"] = memory_detail.peak_attribution(
-                    snapshot, resident, memory_detail.step_phases(train_step), torch.cuda.current_device())
+                    snapshot, resident, memory_detail.step_phases(train_step), torch.cuda.current_device()
+                )
     if detail:
         memory_detail.stop_recording()
     del model, opt
@@ -180,13 +191,17 @@ def loss_pass(rank: int, world_size: int, args) -> dict:
     from tide_core.datasets import batches
 
     config = MODELS[args.model](layers=args.layers)
-    runs = {"stock seed 0": (build(config, "stock", ac=args.ac), 0),
-            "stock seed 1": (build(config, "stock", ac=args.ac), 1),
-            "TIDE in_place seed 0": (build(config, "in_place", ac=args.ac), 0)}
-    streams = {name: batches(args.loss_tokens, 1, seed=seed, rank=rank, world_size=world_size)
-               for name, (_, seed) in runs.items()}
+    runs = {
+        "stock seed 0": (build(config, "stock", ac=args.ac), 0),
+        "stock seed 1": (build(config, "stock", ac=args.ac), 1),
+        "TIDE in_place seed 0": (build(config, "in_place", ac=args.ac), 0),
+    }
+    streams = {
+        name: batches(args.loss_tokens, 1, seed=seed, rank=rank, world_size=world_size)
+        for name, (_, seed) in runs.items()
+    }
     losses = {name: [] for name in runs}
-    for step in range(args.loss_steps):
+    for _step in range(args.loss_steps):
         for name, ((model, opt, _), _) in runs.items():
             x, y = next(streams[name])
             batch = torch.cat([x, y[:, -1:]], dim=1).to(_device())

@@ -43,7 +43,7 @@ class GroupEntry:
     num_params: int
     shard_bytes: int
     dtype: str
-    served: "TideGroup | None"
+    served: TideGroup | None
     install_reason: str | None  # why install left the group on stock collectives
 
     @property
@@ -62,8 +62,9 @@ class GroupEntry:
 class TIDEHandle:
     """Returned by ``install``: what is served, how, and what it costs."""
 
-    def __init__(self, model: nn.Module, config: TIDEConfig, internals, entries: list[GroupEntry], transports: dict,
-                 rings: dict):
+    def __init__(
+        self, model: nn.Module, config: TIDEConfig, internals, entries: list[GroupEntry], transports: dict, rings: dict
+    ):
         self.model = model
         self.config = config
         self.internals = internals
@@ -107,8 +108,13 @@ class TIDEHandle:
             for mode in ("stock", self.config.mode):
                 # On one node the staging is the transport's chunk ring, not the multi-node bound.
                 staging = largest.transport.staging_bytes if topo.nodes == 1 and mode != "stock" else None
-                live = backward_live_bytes(mode, nodes=topo.nodes, gpus_per_node=topo.gpus_per_node,
-                                           shard_bytes=largest.layout.total_shard_bytes, staging_bytes=staging)
+                live = backward_live_bytes(
+                    mode,
+                    nodes=topo.nodes,
+                    gpus_per_node=topo.gpus_per_node,
+                    shard_bytes=largest.layout.total_shard_bytes,
+                    staging_bytes=staging,
+                )
                 out[f"model_{mode}"] = live.components | {"total": live.total}
             out["largest_group"] = largest.name
         return out
@@ -125,10 +131,15 @@ class TIDEHandle:
         lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
         for e in self.entries:
             status = f"TIDE, {e.served.placement}" if e.active else f"stock: {e.reason}"
-            lines.append(f"  {e.index:>3} {e.name[:32]:<32} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} {e.dtype:<9} {status}")
+            lines.append(
+                f"  {e.index:>3} {e.name[:32]:<32} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
+                f"{e.dtype:<9} {status}"
+            )
         mem = self.memory()
-        lines.append(f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])}, "
-                     f"transport staging {fmt_bytes(mem['transport_staging'])}")
+        lines.append(
+            f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])}, "
+            f"transport staging {fmt_bytes(mem['transport_staging'])}"
+        )
         if "largest_group" in mem:
             for key in ("model_stock", f"model_{self.config.mode}"):
                 parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem[key].items())
@@ -136,7 +147,8 @@ class TIDEHandle:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        return f"TIDEHandle(mode={self.config.mode!r}, served={len(self.served_groups)}, fallback={len(self.fallback_groups)})"
+        served, fallback = len(self.served_groups), len(self.fallback_groups)
+        return f"TIDEHandle(mode={self.config.mode!r}, served={served}, fallback={fallback})"
 
 
 # -- group discovery and eligibility ------------------------------------------------------------
@@ -167,8 +179,10 @@ def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
         return f"unsupported dtype {dtype}"
     reduce_dtype = compat.reduce_dtype(pg)
     if reduce_dtype != torch.float32 and not config.fp32_reduce:
-        return (f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
-                "serve it with fp32 sums)")
+        return (
+            f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
+            "serve it with fp32 sums)"
+        )
     if compat.shard_process_group(pg).size() == 1:
         return "shard group has one rank: nothing to gather"
     return point_to_point_unavailable_reason(compat.shard_process_group(pg))
@@ -191,8 +205,14 @@ def _topology(pg_dist, config: TIDEConfig, hosts: list[str]) -> tuple[Topology |
 # -- install / uninstall --------------------------------------------------------------------------
 
 
-def install(model: nn.Module, mode: str | None = None, transport: str | None = None, *,
-            config: TIDEConfig | None = None, **options) -> TIDEHandle:
+def install(
+    model: nn.Module,
+    mode: str | None = None,
+    transport: str | None = None,
+    *,
+    config: TIDEConfig | None = None,
+    **options,
+) -> TIDEHandle:
     """Serve every FSDP2 parameter group inside ``model`` with TIDE. Call after ``fully_shard``
     on every rank (it is collective), before the first forward. Returns the handle; a second
     call on the same model returns the existing handle."""
@@ -224,8 +244,11 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         topo = None
         if reason is None:
             topo, reason = _topology(compat.shard_process_group(pg), config, hosts)
-        entries.append(GroupEntry(index, name, len(compat.fsdp_params(pg)), shard_bytes,
-                                  str(dtype).replace("torch.", ""), None, reason))
+        entries.append(
+            GroupEntry(
+                index, name, len(compat.fsdp_params(pg)), shard_bytes, str(dtype).replace("torch.", ""), None, reason
+            )
+        )
         plans.append((pg, topo, config.ring and _ring_eligible(pg, module, fsdp_modules)))
 
     # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
@@ -233,8 +256,11 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
     description = {
         "torch": torch.__version__,
         **{f"config.{k}": v for k, v in config.describe().items()},
-        **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason) + ((e.shard_bytes,) if e.reason is None else ())
-           for e in entries},
+        **{
+            f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason)
+            + ((e.shard_bytes,) if e.reason is None else ())
+            for e in entries
+        },
     }
     if dist.get_world_size() > 1:
         check_agreement(description, None, "tide_core.install", config.timeout_s)
@@ -251,9 +277,15 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
         if key not in transports:
             try:
                 single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
-                transports[key] = make_transport(config.transport, topo, pg_dist, device=compat.group_device(pg),
-                                                 options=cuda_options(config), validate_calls=config.validate_calls,
-                                                 single_host=single_host)
+                transports[key] = make_transport(
+                    config.transport,
+                    topo,
+                    pg_dist,
+                    device=compat.group_device(pg),
+                    options=cuda_options(config),
+                    validate_calls=config.validate_calls,
+                    single_host=single_host,
+                )
             except TIDEError as exc:
                 if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
                     for served in entries:  # leave the model as install found it
@@ -261,8 +293,10 @@ def install(model: nn.Module, mode: str | None = None, transport: str | None = N
                             compat.unmark_served(internals, served.served.pg)
                     for transport in transports.values():
                         transport.close()
-                    raise TIDEError(f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
-                                    "collectives where the CUDA transport cannot serve)") from exc
+                    raise TIDEError(
+                        f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
+                        "collectives where the CUDA transport cannot serve)"
+                    ) from exc
                 entry.install_reason = f"transport unavailable: {exc}"
                 continue
         group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
@@ -300,9 +334,11 @@ def uninstall(model: nn.Module) -> None:
         return
     live = [g.name for g in handle.served_groups if g.live]
     if live:  # checked before anything is undone: the model stays fully served
-        raise TIDEError(f"cannot uninstall TIDE while group(s) {', '.join(live)} are unsharded (e.g. after a "
-                        "forward under torch.no_grad(), where FSDP2 keeps the root unsharded): call "
-                        "model.reshard() first, or uninstall between training steps")
+        raise TIDEError(
+            f"cannot uninstall TIDE while group(s) {', '.join(live)} are unsharded (e.g. after a "
+            "forward under torch.no_grad(), where FSDP2 keeps the root unsharded): call "
+            "model.reshard() first, or uninstall between training steps"
+        )
     for group in handle.served_groups:
         group.unbind()
     if handle.internals is not None:

@@ -7,15 +7,20 @@ over everything left. Blocks are found by class name (``block_classes``), else f
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn as nn
 
 DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
 }
 
 
@@ -77,10 +82,15 @@ def shard_model(
         )
 
         block_ids = {id(b) for b in blocks}
-        apply_activation_checkpointing(model, checkpoint_wrapper_fn=checkpoint_wrapper,
-                                       check_fn=lambda m: id(m) in block_ids)
-        blocks = [m for m in model.modules() if getattr(m, "_checkpoint_wrapped_module", None) is not None
-                  and id(m._checkpoint_wrapped_module) in block_ids]
+        apply_activation_checkpointing(
+            model, checkpoint_wrapper_fn=checkpoint_wrapper, check_fn=lambda m: id(m) in block_ids
+        )
+        blocks = [
+            m
+            for m in model.modules()
+            if getattr(m, "_checkpoint_wrapped_module", None) is not None
+            and id(m._checkpoint_wrapped_module) in block_ids
+        ]
     kwargs = {"mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)}
     if mesh is not None:
         kwargs["mesh"] = mesh

@@ -27,39 +27,90 @@ import inspect
 import logging
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 log = logging.getLogger("tide")
 
-_ALL_GATHER = ["fsdp_params", "group", "async_op", "all_gather_copy_in_stream", "all_gather_stream", "device",
-               "all_gather_comm"]
+_ALL_GATHER = [
+    "fsdp_params",
+    "group",
+    "async_op",
+    "all_gather_copy_in_stream",
+    "all_gather_stream",
+    "device",
+    "all_gather_comm",
+]
 _COPY_OUT = ["all_gather_result", "fsdp_params", "group"]
-_REDUCE_HEAD = ["fsdp_params", "unsharded_grads", "reduce_scatter_group", "reduce_scatter_stream", "reduce_scatter_comm"]
-_REDUCE_TAIL = ["device", "gradient_divide_factor", "all_reduce_group", "all_reduce_stream", "all_reduce_grads",
-                "partial_reduce_output", "all_reduce_hook", "force_sum_reduction_for_comms"]
+_REDUCE_HEAD = [
+    "fsdp_params",
+    "unsharded_grads",
+    "reduce_scatter_group",
+    "reduce_scatter_stream",
+    "reduce_scatter_comm",
+]
+_REDUCE_TAIL = [
+    "device",
+    "gradient_divide_factor",
+    "all_reduce_group",
+    "all_reduce_stream",
+    "all_reduce_grads",
+    "partial_reduce_output",
+    "all_reduce_hook",
+    "force_sum_reduction_for_comms",
+]
 _REDUCE_UNTIL_2_14 = _REDUCE_HEAD + ["orig_dtype", "reduce_dtype"] + _REDUCE_TAIL
 _REDUCE_2_15 = _REDUCE_HEAD + ["reduce_dtype"] + _REDUCE_TAIL + ["prepare_reduce_scatter_inputs"]
 
 #: FSDPParam methods TIDE calls (FSDP2 calls them on served parameters too) or replaces per instance.
-FSDP_PARAM_METHODS = ("free_unsharded_param", "alloc_all_gather_outputs", "init_unsharded_param",
-                      "init_all_gather_outputs", "to_sharded_dtensor")
+FSDP_PARAM_METHODS = (
+    "free_unsharded_param",
+    "alloc_all_gather_outputs",
+    "init_unsharded_param",
+    "init_all_gather_outputs",
+    "to_sharded_dtensor",
+)
 #: FSDPParam instance attributes TIDE reads; checked per parameter when a group is served.
-FSDP_PARAM_ATTRIBUTES = ("all_gather_outputs", "_sharded_param_data", "padded_sharded_param_size", "sharded_size",
-                         "contiguous_sharded_stride", "sharded_param", "fsdp_placement", "offload_to_cpu",
-                         "_orig_size", "_sharded_local_tensor", "mp_policy")
+FSDP_PARAM_ATTRIBUTES = (
+    "all_gather_outputs",
+    "_sharded_param_data",
+    "padded_sharded_param_size",
+    "sharded_size",
+    "contiguous_sharded_stride",
+    "sharded_param",
+    "fsdp_placement",
+    "offload_to_cpu",
+    "_orig_size",
+    "_sharded_local_tensor",
+    "mp_policy",
+)
 #: FSDPParamGroup attributes TIDE reads (after ``fully_shard``, before lazy init).
-FSDP_PARAM_GROUP_ATTRIBUTES = ("fsdp_params", "device", "post_forward_mesh_info", "_all_gather_comm",
-                               "_reduce_scatter_comm", "_all_gather_process_group", "_reduce_scatter_process_group",
-                               "_use_post_forward_mesh", "reshard_after_backward", "is_unsharded",
-                               "_all_gather_result", "modules")
+FSDP_PARAM_GROUP_ATTRIBUTES = (
+    "fsdp_params",
+    "device",
+    "post_forward_mesh_info",
+    "_all_gather_comm",
+    "_reduce_scatter_comm",
+    "_all_gather_process_group",
+    "_reduce_scatter_process_group",
+    "_use_post_forward_mesh",
+    "reshard_after_backward",
+    "is_unsharded",
+    "_all_gather_result",
+    "modules",
+)
 #: FSDP2 collectives helpers TIDE calls.
-COLLECTIVES_HELPERS = ("AllGatherResult", "_get_param_all_gather_inputs", "_get_gradient_divide_factors",
-                       "DefaultAllGather", "DefaultReduceScatter")
+COLLECTIVES_HELPERS = (
+    "AllGatherResult",
+    "_get_param_all_gather_inputs",
+    "_get_gradient_divide_factors",
+    "DefaultAllGather",
+    "DefaultReduceScatter",
+)
 #: Where TIDE keeps its per-parameter state on FSDP2 objects (removed by ``release_landings``).
 _GROUP_ATTR = "_tide_group"
 
@@ -89,14 +140,18 @@ class TorchProfile:
 
 def _profile(version: tuple[int, int]) -> TorchProfile:
     before_2_15 = version < (2, 15)
-    patched = {"foreach_all_gather": _ALL_GATHER,
-               "foreach_reduce": _REDUCE_UNTIL_2_14 if before_2_15 else _REDUCE_2_15}
+    patched = {"foreach_all_gather": _ALL_GATHER, "foreach_reduce": _REDUCE_UNTIL_2_14 if before_2_15 else _REDUCE_2_15}
     if before_2_15:
         patched["foreach_all_gather_copy_out"] = _COPY_OUT
-    return TorchProfile(patched=patched, copy_out_hook=not before_2_15, reduce_returns_stream=version >= (2, 13),
-                        reduce_casts_to_orig_dtype=before_2_15, reduce_dtype_defaults_to_param_dtype=before_2_15,
-                        hook_output_held=not before_2_15,
-                        single_param_group=version == (2, 11))
+    return TorchProfile(
+        patched=patched,
+        copy_out_hook=not before_2_15,
+        reduce_returns_stream=version >= (2, 13),
+        reduce_casts_to_orig_dtype=before_2_15,
+        reduce_dtype_defaults_to_param_dtype=before_2_15,
+        hook_output_held=not before_2_15,
+        single_param_group=version == (2, 11),
+    )
 
 
 #: torch versions TIDE knows, each tested (parity and drift tests) on CPU.
@@ -105,7 +160,7 @@ SUPPORTED_VERSIONS = tuple(PROFILES)
 
 
 def _versions_text() -> str:
-    return ", ".join("%d.%d" % v for v in SUPPORTED_VERSIONS)
+    return ", ".join(f"{v[0]}.{v[1]}" for v in SUPPORTED_VERSIONS)
 
 
 def torch_version() -> tuple[int, int]:
@@ -134,9 +189,11 @@ def _warn_unknown_version(reason: str) -> None:
         return
     _warned_unknown.add(torch.__version__)
     (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS[0], SUPPORTED_VERSIONS[-1]
-    message = (f"TIDE: {reason}; every FSDP2 group runs stock collectives. TIDE was tested on torch "
-               f"{_versions_text()}: install one of those (pip install 'torch>={low_major}.{low_minor},"
-               f"<{high_major}.{high_minor + 1}') to use TIDE.")
+    message = (
+        f"TIDE: {reason}; every FSDP2 group runs stock collectives. TIDE was tested on torch "
+        f"{_versions_text()}: install one of those (pip install 'torch>={low_major}.{low_minor},"
+        f"<{high_major}.{high_minor + 1}') to use TIDE."
+    )
     log.warning("%s", message)
     warnings.warn(message, RuntimeWarning, stacklevel=4)  # points at the caller of tide_core.install
 
@@ -177,8 +234,13 @@ def probe() -> tuple[FSDPInternals | None, str | None]:
         default = getattr(_fsdp_collectives, "_default_all_gather_output_fn", None)
         if default is None or _parameters(default) != ["fsdp_params", "all_gather_result", "world_size"]:
             return None, "FSDP2's _default_all_gather_output_fn is missing or has other parameters"
-    return FSDPInternals(version=version, profile=profile, param_group_module=_fsdp_param_group,
-                         collectives_module=_fsdp_collectives, originals=originals), None
+    return FSDPInternals(
+        version=version,
+        profile=profile,
+        param_group_module=_fsdp_param_group,
+        collectives_module=_fsdp_collectives,
+        originals=originals,
+    ), None
 
 
 # -- groups and their eligibility -------------------------------------------------------------
@@ -209,18 +271,18 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[tuple[str, object, torch.n
     return found
 
 
-def _param_all_gather_dtype(fp) -> "torch.dtype":
+def _param_all_gather_dtype(fp) -> torch.dtype:
     """The mixed-precision param dtype, else the shard's. Read from the parameter's own policy
     (2.15 resolves one per parameter; FSDPParam.param_dtype only exists after lazy init)."""
     return getattr(fp.mp_policy, "param_dtype", None) or fp.sharded_param.dtype
 
 
-def all_gather_dtype(param_group) -> "torch.dtype":
+def all_gather_dtype(param_group) -> torch.dtype:
     """The dtype a group is all-gathered in (its first parameter's; ``ineligible`` checks they agree)."""
     return _param_all_gather_dtype(param_group.fsdp_params[0])
 
 
-def reduce_dtype(param_group) -> "torch.dtype":
+def reduce_dtype(param_group) -> torch.dtype:
     """The dtype stock FSDP2 reduce-scatters this group's gradients in: MixedPrecisionPolicy's
     reduce_dtype, else up to 2.14 the gradients' dtype (param_dtype, else the parameters'), and
     since 2.15 the parameter's grad_dtype (unset: the parameter's own dtype; None: the gradient's)."""
@@ -312,8 +374,9 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
         return "reshard_after_forward=int (post-forward mesh) is served by stock collectives"
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
-    if (not isinstance(param_group._all_gather_comm, DefaultAllGather)
-            or not isinstance(param_group._reduce_scatter_comm, DefaultReduceScatter)):
+    if not isinstance(param_group._all_gather_comm, DefaultAllGather) or not isinstance(
+        param_group._reduce_scatter_comm, DefaultReduceScatter
+    ):
         return "a custom all-gather/reduce-scatter comm is set on this group"
     if param_group._all_gather_process_group is not param_group._reduce_scatter_process_group:
         return "all-gather and reduce-scatter use different process groups"
@@ -351,8 +414,9 @@ def unmark_served(internals: FSDPInternals | None, param_group) -> None:
 
 def unsharded_grad_pending(fsdp_params) -> bool:
     """Whether FSDP2 holds a gradient on an unsharded parameter it built over its own storage."""
-    return any(getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None
-               for fp in fsdp_params)
+    return any(
+        getattr(fp, "_unsharded_param", None) is not None and fp._unsharded_param.grad is not None for fp in fsdp_params
+    )
 
 
 def root_landings(fsdp_params, landings: list[torch.Tensor], on_free: Callable[[], None]) -> None:
@@ -392,15 +456,17 @@ def all_gather_inputs(internals: FSDPInternals, fsdp_params) -> list[torch.Tenso
     return [ts[0] for ts in internals.collectives_module._get_param_all_gather_inputs(fsdp_params)]
 
 
-def tide_all_gather_result(internals: FSDPInternals, shards: list[torch.Tensor], event, dtype: torch.dtype,
-                           device: torch.device):
+def tide_all_gather_result(
+    internals: FSDPInternals, shards: list[torch.Tensor], event, dtype: torch.dtype, device: torch.device
+):
     """The AllGatherResult FSDP2 holds for a TIDE all-gather: an empty marker as the output that
     keeps the shards alive (stream-safely, like FSDP2's own flat buffer)."""
     marker = torch.empty(0, dtype=dtype, device=device)
     marker._tide_inputs = shards
     numels = [[s.numel()] for s in shards]
-    return internals.collectives_module.AllGatherResult(marker, event, None, [[dtype]] * len(shards), numels,
-                                                        [s.numel() for s in shards])
+    return internals.collectives_module.AllGatherResult(
+        marker, event, None, [[dtype]] * len(shards), numels, [s.numel() for s in shards]
+    )
 
 
 def is_tide_all_gather_result(all_gather_result) -> bool:
@@ -430,11 +496,13 @@ def _tide_all_gather_output_fn(fsdp_params, all_gather_result, world_size: int) 
 # -- reduce-scatter ------------------------------------------------------------------------------
 
 
-def gradient_divide_factors(internals: FSDPInternals, rs_group, ar_group, reduce_dtype, device_type: str,
-                            divide_factor, force_sum):
+def gradient_divide_factors(
+    internals: FSDPInternals, rs_group, ar_group, reduce_dtype, device_type: str, divide_factor, force_sum
+):
     """FSDP2's (pre-divide, post-divide, reduce-scatter op, all-reduce op) for this reduction."""
     return internals.collectives_module._get_gradient_divide_factors(
-        rs_group, ar_group, reduce_dtype, device_type, divide_factor, force_sum)
+        rs_group, ar_group, reduce_dtype, device_type, divide_factor, force_sum
+    )
 
 
 def packed_sharded_grad_base(fsdp_params, offsets: list[int], total_numel: int) -> torch.Tensor | None:
@@ -469,8 +537,9 @@ def grad_dtype(internals: FSDPInternals, fsdp_params, orig_dtype: torch.dtype | 
     return True, next(iter(dtypes))
 
 
-def set_sharded_grads(fsdp_params, reduce_output: torch.Tensor, offsets: list[int], dtype: torch.dtype | None,
-                      accumulated: bool) -> None:
+def set_sharded_grads(
+    fsdp_params, reduce_output: torch.Tensor, offsets: list[int], dtype: torch.dtype | None, accumulated: bool
+) -> None:
     """What ``foreach_reduce`` does after the reduce (and any all-reduce), in the post-reduce
     stream: cast to ``dtype``, view each parameter's sharded gradient out of the packed output,
     accumulate into an existing one or set a new DTensor gradient, then run the parameter's
@@ -480,8 +549,9 @@ def set_sharded_grads(fsdp_params, reduce_output: torch.Tensor, offsets: list[in
         reduce_output = reduce_output.to(dtype)
     for offset, fp in zip(offsets, fsdp_params):
         if not accumulated:
-            new_grad = torch.as_strided(reduce_output, size=fp.sharded_size, stride=fp.contiguous_sharded_stride,
-                                        storage_offset=offset)
+            new_grad = torch.as_strided(
+                reduce_output, size=fp.sharded_size, stride=fp.contiguous_sharded_stride, storage_offset=offset
+            )
             if fp.sharded_param.grad is not None:
                 fp.sharded_param.grad._local_tensor += new_grad
             else:
@@ -490,8 +560,9 @@ def set_sharded_grads(fsdp_params, reduce_output: torch.Tensor, offsets: list[in
             hook(fp.sharded_param)
 
 
-def reduce_result(internals: FSDPInternals, rs_input, rs_event, post_stream, post_event, ar_input, ar_event,
-                  partial) -> tuple:
+def reduce_result(
+    internals: FSDPInternals, rs_input, rs_event, post_stream, post_event, ar_input, ar_event, partial
+) -> tuple:
     """``foreach_reduce``'s return value for this torch (6 values before 2.13, 7 since)."""
     if internals.profile.reduce_returns_stream:
         return rs_input, rs_event, post_stream, post_event, ar_input, ar_event, partial
@@ -507,21 +578,24 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
     out = {}
 
     @functools.wraps(orig["foreach_all_gather"])
-    def foreach_all_gather(fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device,
-                           all_gather_comm):
+    def foreach_all_gather(
+        fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device, all_gather_comm
+    ):
         served = served_group(fsdp_params)
         if served is not None and served.stock_gradient_pending():
             served.fall_back("an unreduced gradient from steps on stock collectives (installed after an unshard)")
             served = None
         if served is None or served.fsdp_params != list(fsdp_params):
-            return orig["foreach_all_gather"](fsdp_params, group, async_op, all_gather_copy_in_stream,
-                                              all_gather_stream, device, all_gather_comm)
+            return orig["foreach_all_gather"](
+                fsdp_params, group, async_op, all_gather_copy_in_stream, all_gather_stream, device, all_gather_comm
+            )
         with torch.no_grad():
             return served.all_gather(async_op, all_gather_copy_in_stream, all_gather_stream)
 
     out["foreach_all_gather"] = foreach_all_gather
 
     if "foreach_all_gather_copy_out" in profile.patched:
+
         @functools.wraps(orig["foreach_all_gather_copy_out"])
         def foreach_all_gather_copy_out(all_gather_result, fsdp_params, group):
             if served_group(fsdp_params) is None or not is_tide_all_gather_result(all_gather_result):
@@ -531,8 +605,22 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
         out["foreach_all_gather_copy_out"] = foreach_all_gather_copy_out
 
     def _reduce(args: tuple, orig_dtype, stock: Callable):
-        (fsdp_params, unsharded_grads, rs_group, rs_stream, _rs_comm, reduce_dtype, device, divide_factor,
-         ar_group, ar_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum) = args
+        (
+            fsdp_params,
+            unsharded_grads,
+            rs_group,
+            rs_stream,
+            _rs_comm,
+            reduce_dtype,
+            device,
+            divide_factor,
+            ar_group,
+            ar_stream,
+            all_reduce_grads,
+            partial_reduce_output,
+            all_reduce_hook,
+            force_sum,
+        ) = args
         served = served_group(fsdp_params)
         if served is None or rs_group is None or any(fp.fsdp_placement.dim != 0 for fp in fsdp_params):
             return stock()
@@ -540,30 +628,98 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
         if not ok:
             return stock()
         with torch.no_grad():
-            return served.reduce(fsdp_params, unsharded_grads, rs_group, rs_stream, out_dtype, reduce_dtype,
-                                 device, divide_factor, ar_group, ar_stream, all_reduce_grads,
-                                 partial_reduce_output, all_reduce_hook, force_sum)
+            return served.reduce(
+                fsdp_params,
+                unsharded_grads,
+                rs_group,
+                rs_stream,
+                out_dtype,
+                reduce_dtype,
+                device,
+                divide_factor,
+                ar_group,
+                ar_stream,
+                all_reduce_grads,
+                partial_reduce_output,
+                all_reduce_hook,
+                force_sum,
+            )
 
     if profile.reduce_casts_to_orig_dtype:
+
         @functools.wraps(orig["foreach_reduce"])
-        def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                           reduce_scatter_comm, orig_dtype, reduce_dtype, device, gradient_divide_factor,
-                           all_reduce_group, all_reduce_stream, all_reduce_grads, partial_reduce_output,
-                           all_reduce_hook, force_sum_reduction_for_comms=False):
-            full = (fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
-                    orig_dtype, reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
-                    all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
+        def foreach_reduce(
+            fsdp_params,
+            unsharded_grads,
+            reduce_scatter_group,
+            reduce_scatter_stream,
+            reduce_scatter_comm,
+            orig_dtype,
+            reduce_dtype,
+            device,
+            gradient_divide_factor,
+            all_reduce_group,
+            all_reduce_stream,
+            all_reduce_grads,
+            partial_reduce_output,
+            all_reduce_hook,
+            force_sum_reduction_for_comms=False,
+        ):
+            full = (
+                fsdp_params,
+                unsharded_grads,
+                reduce_scatter_group,
+                reduce_scatter_stream,
+                reduce_scatter_comm,
+                orig_dtype,
+                reduce_dtype,
+                device,
+                gradient_divide_factor,
+                all_reduce_group,
+                all_reduce_stream,
+                all_reduce_grads,
+                partial_reduce_output,
+                all_reduce_hook,
+                force_sum_reduction_for_comms,
+            )
             args = full[:5] + full[6:]
             return _reduce(args, orig_dtype, lambda: orig["foreach_reduce"](*full))
     else:
+
         @functools.wraps(orig["foreach_reduce"])
-        def foreach_reduce(fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream,
-                           reduce_scatter_comm, reduce_dtype, device, gradient_divide_factor, all_reduce_group,
-                           all_reduce_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
-                           force_sum_reduction_for_comms=False, **options):
-            args = (fsdp_params, unsharded_grads, reduce_scatter_group, reduce_scatter_stream, reduce_scatter_comm,
-                    reduce_dtype, device, gradient_divide_factor, all_reduce_group, all_reduce_stream,
-                    all_reduce_grads, partial_reduce_output, all_reduce_hook, force_sum_reduction_for_comms)
+        def foreach_reduce(
+            fsdp_params,
+            unsharded_grads,
+            reduce_scatter_group,
+            reduce_scatter_stream,
+            reduce_scatter_comm,
+            reduce_dtype,
+            device,
+            gradient_divide_factor,
+            all_reduce_group,
+            all_reduce_stream,
+            all_reduce_grads,
+            partial_reduce_output,
+            all_reduce_hook,
+            force_sum_reduction_for_comms=False,
+            **options,
+        ):
+            args = (
+                fsdp_params,
+                unsharded_grads,
+                reduce_scatter_group,
+                reduce_scatter_stream,
+                reduce_scatter_comm,
+                reduce_dtype,
+                device,
+                gradient_divide_factor,
+                all_reduce_group,
+                all_reduce_stream,
+                all_reduce_grads,
+                partial_reduce_output,
+                all_reduce_hook,
+                force_sum_reduction_for_comms,
+            )
             # prepare_reduce_scatter_inputs shapes FSDP2's copy-in, which served groups do not run.
             return _reduce(args, None, lambda: orig["foreach_reduce"](*args, **options))
 

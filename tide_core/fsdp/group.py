@@ -58,8 +58,9 @@ class _ReadHold:
 
 
 class TideGroup:
-    def __init__(self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None,
-                 internals):
+    def __init__(
+        self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None, internals
+    ):
         self.config = config
         self.index = index
         self.name = name
@@ -96,8 +97,11 @@ class TideGroup:
         # A group kept unsharded after backward (set_reshard_after_backward(False)) or keeping its
         # unsharded storage (set_keep_unsharded_storage(True)) would hold its ring slot while the
         # next groups gather into it: it gets a dedicated landing.
-        if (self.ring is not None and compat.reshards_after_backward(self.pg)
-                and not compat.keeps_unsharded_storage(self.pg)):
+        if (
+            self.ring is not None
+            and compat.reshards_after_backward(self.pg)
+            and not compat.keeps_unsharded_storage(self.pg)
+        ):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
             if free:
@@ -177,8 +181,10 @@ class TideGroup:
         if shards[0].dtype != self.ag_dtype:
             raise TIDEError(f"group {self.name}: FSDP2 all-gathers {shards[0].dtype} but TIDE planned {self.ag_dtype}")
         ag_stream.wait_stream(copy_in_stream)
-        outputs = [t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p])
-                   for p, t in enumerate(self.landings)]
+        outputs = [
+            t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p])
+            for p, t in enumerate(self.landings)
+        ]
         with dh.stream(ag_stream):
             if self.slot is not None and self.ring.release_event[self.slot] is not None:
                 ag_stream.wait_event(self.ring.release_event[self.slot])
@@ -196,14 +202,21 @@ class TideGroup:
         return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
 
     def _conflict_cause(self) -> str:
-        explicit = any(getattr(m._get_fsdp_state(), attr, None)
-                       for g in self.handle.served_groups for m in getattr(g.pg, "modules", ())
-                       for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch"))
+        explicit = any(
+            getattr(m._get_fsdp_state(), attr, None)
+            for g in self.handle.served_groups
+            for m in getattr(g.pg, "modules", ())
+            for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
+        )
         if explicit:
-            return ("explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
-                    "live when the landings were placed")
-        return ("a ring group stayed unsharded while two others were gathered (reshard after forward or "
-                "after backward turned off after its landing was placed)")
+            return (
+                "explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
+                "live when the landings were placed"
+            )
+        return (
+            "a ring group stayed unsharded while two others were gathered (reshard after forward or "
+            "after backward turned off after its landing was placed)"
+        )
 
     def _timing_start(self, stream):
         if not (self.config.profile and self.device.type == "cuda"):
@@ -253,9 +266,23 @@ class TideGroup:
         offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
         return compat.packed_sharded_grad_base(fsdp_params, offsets, layout.total_shard_numel)
 
-    def reduce(self, fsdp_params, unsharded_grads, rs_group, rs_stream, orig_dtype, reduce_dtype, device,
-               divide_factor, ar_group, ar_stream, all_reduce_grads, partial_reduce_output, all_reduce_hook,
-               force_sum):
+    def reduce(
+        self,
+        fsdp_params,
+        unsharded_grads,
+        rs_group,
+        rs_stream,
+        orig_dtype,
+        reduce_dtype,
+        device,
+        divide_factor,
+        ar_group,
+        ar_stream,
+        all_reduce_grads,
+        partial_reduce_output,
+        all_reduce_hook,
+        force_sum,
+    ):
         dh = self._device_handle
         grads = list(unsharded_grads)
         unsharded_grads.clear()
@@ -300,7 +327,11 @@ class TideGroup:
             fused = self._fused_output(fsdp_params, layout, orig_dtype)
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
-            out = fused if fused is not None else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
+            out = (
+                fused
+                if fused is not None
+                else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
+            )
             timing = self._timing_start(rs_stream)
             work = self.transport.reduce_scatter(layout, sources, out, alpha=alpha, accumulate=fused is not None)
             if work is not None:
@@ -322,8 +353,15 @@ class TideGroup:
                         partial_reduce_output += reduce_output
                     else:
                         partial_reduce_output = reduce_output
-                    return self._result(_ReadHold(sources), rs_event, post_stream, post_stream.record_event(),
-                                        None, None, partial_reduce_output)
+                    return self._result(
+                        _ReadHold(sources),
+                        rs_event,
+                        post_stream,
+                        post_stream.record_event(),
+                        None,
+                        None,
+                        partial_reduce_output,
+                    )
                 if partial_reduce_output is not None:
                     reduce_output += partial_reduce_output
             post_stream = ar_stream
@@ -345,9 +383,11 @@ class TideGroup:
             offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
             compat.set_sharded_grads(fsdp_params, reduce_output, offsets, orig_dtype, accumulated=fused is not None)
             post_reduce_event = post_stream.record_event()
-        return self._result(_ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input,
-                            all_reduce_event, None)
+        return self._result(
+            _ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input, all_reduce_event, None
+        )
 
     def _result(self, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial):
-        return compat.reduce_result(self.internals, hold, rs_event, post_stream, post_event, ar_input, ar_event,
-                                    partial)
+        return compat.reduce_result(
+            self.internals, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial
+        )

@@ -35,8 +35,14 @@ from tide_core.plan.reducescatter import (
     split_copies,
     split_launches,
 )
-from tide_core.plan.solver import (Calibration, MultinodeEstimate, SolverResult, estimate_all_gather,
-                                   estimate_reduce_scatter, solve)
+from tide_core.plan.solver import (
+    Calibration,
+    MultinodeEstimate,
+    SolverResult,
+    estimate_all_gather,
+    estimate_reduce_scatter,
+    solve,
+)
 from tide_core.plan.topology import Topology
 
 __all__ = [

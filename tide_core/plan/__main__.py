@@ -18,19 +18,28 @@ def build_parser() -> argparse.ArgumentParser:
         "memory table (stock FSDP2 vs TIDE In-Place vs Slot-Reuse) for a model and topology.",
     )
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default="llama3.1-8b",
-                        help=f"named shape set: {', '.join(sorted(MODELS))} (aliases: {', '.join(sorted(ALIASES))})")
+    source.add_argument(
+        "--model",
+        default="llama3.1-8b",
+        help=f"named shape set: {', '.join(sorted(MODELS))} (aliases: {', '.join(sorted(ALIASES))})",
+    )
     source.add_argument("--shapes-file", help="JSON list of shapes, or {'groups': [{'name','count','shapes'}]}")
     parser.add_argument("--nodes", type=int, default=1, help="M, nodes (default 1)")
     parser.add_argument("--gpus-per-node", type=int, default=8, help="L, GPUs per NVLink domain (default 8)")
     parser.add_argument("--wave-width", type=int, default=None, help="W, contributors per wave (default L)")
     parser.add_argument("--round-width", type=int, default=None, help="k, rail transfers per round (default: solver)")
-    parser.add_argument("--memory-efficient", action="store_true",
-                        help="partial reduce-scatter outbox (less staging memory), as Slot-Reuse uses")
+    parser.add_argument(
+        "--memory-efficient",
+        action="store_true",
+        help="partial reduce-scatter outbox (less staging memory), as Slot-Reuse uses",
+    )
     parser.add_argument("--itemsize", type=int, default=2, choices=(1, 2, 4), help="all-gather element bytes")
     parser.add_argument("--list-models", action="store_true", help="list the named shape sets and exit")
-    parser.add_argument("--verbose", action="store_true",
-                        help="also the multicast descriptor count and the paper's equation and appendix numbers")
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also the multicast descriptor count and the paper's equation and appendix numbers",
+    )
     return parser
 
 
@@ -43,9 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     try:
         model = load_shapes_file(args.shapes_file) if args.shapes_file else get_model(args.model)
         topo = Topology(nodes=args.nodes, gpus_per_node=args.gpus_per_node)
-        print(model_report(model, topo, itemsize=args.itemsize, wave_width=args.wave_width,
-                           round_width=args.round_width, memory_efficient=args.memory_efficient,
-                           verbose=args.verbose))
+        print(
+            model_report(
+                model,
+                topo,
+                itemsize=args.itemsize,
+                wave_width=args.wave_width,
+                round_width=args.round_width,
+                memory_efficient=args.memory_efficient,
+                verbose=args.verbose,
+            )
+        )
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

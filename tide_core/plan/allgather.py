@@ -51,8 +51,10 @@ class RailTransfer:
         return hash(tuple(getattr(self, a) for a in self.__slots__))
 
     def __repr__(self) -> str:
-        return (f"RailTransfer(round={self.round}, src_node={self.src_node}, dst_node={self.dst_node}, "
-                f"shard_nodes={self.shard_nodes})")
+        return (
+            f"RailTransfer(round={self.round}, src_node={self.src_node}, dst_node={self.dst_node}, "
+            f"shard_nodes={self.shard_nodes})"
+        )
 
 
 def num_rounds(nodes: int) -> int:
@@ -72,9 +74,7 @@ def _schedule(nodes: int) -> tuple[tuple[RailTransfer, ...], ...]:
     rounds = []
     for d in range(num_rounds(nodes)):
         step, count = 1 << d, slots_in_round(nodes, d)
-        rounds.append(
-            tuple(RailTransfer(d, src, (src - step) % nodes, step, count, nodes) for src in range(nodes))
-        )
+        rounds.append(tuple(RailTransfer(d, src, (src - step) % nodes, step, count, nodes) for src in range(nodes)))
     return tuple(rounds)
 
 

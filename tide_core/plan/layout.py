@@ -9,8 +9,8 @@ at the parameter-major offset o_p*N + r*s_p.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 from tide_core.errors import PlanError
 
@@ -66,9 +66,7 @@ class GroupLayout:
         object.__setattr__(self, "_elem_offsets", tuple(offsets))
 
     @classmethod
-    def from_shapes(
-        cls, shapes: Iterable[Sequence[int] | int], world_size: int, itemsize: int = 2
-    ) -> "GroupLayout":
+    def from_shapes(cls, shapes: Iterable[Sequence[int] | int], world_size: int, itemsize: int = 2) -> GroupLayout:
         shapes = list(shapes)
         dk = [_as_2d(s, i) for i, s in enumerate(shapes)]
         return cls(
@@ -78,7 +76,7 @@ class GroupLayout:
             itemsize=itemsize,
         )
 
-    def with_itemsize(self, itemsize: int) -> "GroupLayout":
+    def with_itemsize(self, itemsize: int) -> GroupLayout:
         return GroupLayout(self.rows, self.cols, self.world_size, itemsize)
 
     # -- per parameter ---------------------------------------------------------------------

@@ -20,9 +20,7 @@ def _check(name: str, value: int, lo: int) -> None:
         raise PlanError(f"{name}={value!r} must be an integer >= {lo}")
 
 
-def staging_area_blocks(
-    *, gpus_per_node: int, generations: int, outbox_depth: int, staging_slots: int
-) -> float:
+def staging_area_blocks(*, gpus_per_node: int, generations: int, outbox_depth: int, staging_slots: int) -> float:
     """Eq. 10 in units of S_fp32: n_stg * L/2 + L * n_par + 2 * n_out + 2 (two banks, one spare each)."""
     return staging_slots * gpus_per_node / 2 + gpus_per_node * generations + 2 * outbox_depth + 2
 
@@ -99,8 +97,9 @@ def backward_live_bytes(
     if staging_bytes is None:
         if outbox_depth is None:
             outbox_depth = nodes - 1 if mode == "in_place" else 2 * round_width
-        blocks = staging_area_blocks(gpus_per_node=gpus_per_node, generations=generations,
-                                     outbox_depth=outbox_depth, staging_slots=staging_slots)
+        blocks = staging_area_blocks(
+            gpus_per_node=gpus_per_node, generations=generations, outbox_depth=outbox_depth, staging_slots=staging_slots
+        )
         staging_bytes = int(round(blocks * 2 * shard_bytes))
     components = {"ring_slots": 2 * NS, "receive_stage": stage, "rs_staging": staging_bytes}
     if mode == "in_place":

@@ -52,7 +52,7 @@ def _attention(hidden: int, heads: int, kv_heads: int, head_dim: int) -> tuple:
     )
 
 
-def _lm(name: str, block: "GroupShapes", hidden: int, vocab: int) -> "ModelShapes":
+def _lm(name: str, block: GroupShapes, hidden: int, vocab: int) -> ModelShapes:
     return ModelShapes(
         name,
         (
@@ -63,7 +63,9 @@ def _lm(name: str, block: "GroupShapes", hidden: int, vocab: int) -> "ModelShape
     )
 
 
-def llama(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int, vocab: int) -> ModelShapes:
+def llama(
+    name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: int, layers: int, vocab: int
+) -> ModelShapes:
     block = GroupShapes(
         "block",
         layers,
@@ -78,8 +80,18 @@ def llama(name: str, *, hidden: int, intermediate: int, heads: int, kv_heads: in
     return _lm(name, block, hidden, vocab)
 
 
-def qwen3_moe(name: str, *, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int,
-              moe_intermediate: int, experts: int, vocab: int) -> ModelShapes:
+def qwen3_moe(
+    name: str,
+    *,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    moe_intermediate: int,
+    experts: int,
+    vocab: int,
+) -> ModelShapes:
     block = GroupShapes(
         "block",
         layers,
@@ -97,8 +109,18 @@ def qwen3_moe(name: str, *, hidden: int, layers: int, heads: int, kv_heads: int,
     return _lm(name, block, hidden, vocab)
 
 
-def wan_dit(name: str, *, dim: int, ffn_dim: int, layers: int, text_dim: int, freq_dim: int,
-            in_dim: int, out_dim: int, patch: tuple[int, int, int]) -> ModelShapes:
+def wan_dit(
+    name: str,
+    *,
+    dim: int,
+    ffn_dim: int,
+    layers: int,
+    text_dim: int,
+    freq_dim: int,
+    in_dim: int,
+    out_dim: int,
+    patch: tuple[int, int, int],
+) -> ModelShapes:
     def attn(prefix: str):
         out = []
         for proj in ("q", "k", "v", "o"):
@@ -148,12 +170,34 @@ def wan_dit(name: str, *, dim: int, ffn_dim: int, layers: int, text_dim: int, fr
 
 
 MODELS: dict[str, ModelShapes] = {
-    "llama3.1-8b": llama("Llama-3.1-8B", hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=32, vocab=128256),
-    "llama3.1-70b": llama("Llama-3.1-70B", hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=80, vocab=128256),
-    "qwen3-30b-a3b": qwen3_moe("Qwen3-30B-A3B", hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128,
-                               moe_intermediate=768, experts=128, vocab=151936),
-    "wan2.2-a14b": wan_dit("Wan2.2-T2V-A14B (one expert)", dim=5120, ffn_dim=13824, layers=40, text_dim=4096,
-                           freq_dim=256, in_dim=16, out_dim=16, patch=(1, 2, 2)),
+    "llama3.1-8b": llama(
+        "Llama-3.1-8B", hidden=4096, intermediate=14336, heads=32, kv_heads=8, layers=32, vocab=128256
+    ),
+    "llama3.1-70b": llama(
+        "Llama-3.1-70B", hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=80, vocab=128256
+    ),
+    "qwen3-30b-a3b": qwen3_moe(
+        "Qwen3-30B-A3B",
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        moe_intermediate=768,
+        experts=128,
+        vocab=151936,
+    ),
+    "wan2.2-a14b": wan_dit(
+        "Wan2.2-T2V-A14B (one expert)",
+        dim=5120,
+        ffn_dim=13824,
+        layers=40,
+        text_dim=4096,
+        freq_dim=256,
+        in_dim=16,
+        out_dim=16,
+        patch=(1, 2, 2),
+    ),
 }
 ALIASES = {
     "llama3-8b": "llama3.1-8b",
@@ -193,6 +237,8 @@ def load_shapes_file(path: str | Path) -> ModelShapes:
         count = g.get("count", 1)
         if not isinstance(count, int) or count < 1:
             raise PlanError(f"shapes file {str(path)!r}: groups[{i}].count={count!r} must be an integer >= 1")
-        params = tuple((f"p{j}", tuple(int(d) for d in ([s] if isinstance(s, int) else s))) for j, s in enumerate(shapes))
+        params = tuple(
+            (f"p{j}", tuple(int(d) for d in ([s] if isinstance(s, int) else s))) for j, s in enumerate(shapes)
+        )
         groups.append(GroupShapes(str(g.get("name", f"group{i}")), count, params))
     return ModelShapes(str(data.get("name", path.stem)), tuple(groups))

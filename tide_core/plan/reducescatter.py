@@ -75,8 +75,10 @@ class LatinSquarePlan:
         self.waves: list[list[int]] = [contributors[i : i + wave_width] for i in range(0, nodes, wave_width)]
 
     def __repr__(self) -> str:
-        return (f"LatinSquarePlan(M={self.nodes}, L={self.gpus_per_node}, W={self.wave_width}, "
-                f"k={self.round_width}, memory_efficient={self.memory_efficient})")
+        return (
+            f"LatinSquarePlan(M={self.nodes}, L={self.gpus_per_node}, W={self.wave_width}, "
+            f"k={self.round_width}, memory_efficient={self.memory_efficient})"
+        )
 
     @functools.cached_property
     def rounds(self) -> list[NetworkRound]:
@@ -138,7 +140,7 @@ class LatinSquarePlan:
         key = ((c - 1) // self.wave_width) * self.gpus_per_node + (c % self.nodes) % self.gpus_per_node
         return np.unique(key).size != key.size
 
-    def validate(self) -> "LatinSquarePlan":
+    def validate(self) -> LatinSquarePlan:
         """Raise PlanError iff some wave maps two contributors to one destination GPU."""
         if not self._collides():
             return self
@@ -318,8 +320,9 @@ def split_copies(copies: list[Level1Copy], pieces: list[tuple[int, int]]) -> lis
         for i, (lo, hi) in enumerate(pieces):
             a, b = max(lo, lo_cp), min(hi, hi_cp)
             if a < b:
-                by_piece[i].append(dataclasses.replace(cp, src_offset=cp.src_offset + a - lo_cp, staging_offset=a,
-                                                       length=b - a))
+                by_piece[i].append(
+                    dataclasses.replace(cp, src_offset=cp.src_offset + a - lo_cp, staging_offset=a, length=b - a)
+                )
     return by_piece
 
 
@@ -331,13 +334,18 @@ def split_launches(chunk: Chunk, lo: int, hi: int, max_segments: int) -> list[tu
     _check_int("max_segments", max_segments, 1)
     launches, first = [], lo
     while first < hi:
-        rel = [s for s in chunk.segments
-               if s.out_offset - chunk.start + s.length > first and s.out_offset - chunk.start < hi]
+        rel = [
+            s
+            for s in chunk.segments
+            if s.out_offset - chunk.start + s.length > first and s.out_offset - chunk.start < hi
+        ]
         if len(rel) > max_segments:
             end = max((rel[max_segments].out_offset - chunk.start) // 8 * 8, first + 8)
             if rel[max_segments].out_offset - chunk.start < end:
-                raise PlanError(f"more than {max_segments} segments meet in chunk elements [{first}, {end}); "
-                                f"a sum launch takes at most {max_segments}")
+                raise PlanError(
+                    f"more than {max_segments} segments meet in chunk elements [{first}, {end}); "
+                    f"a sum launch takes at most {max_segments}"
+                )
         else:
             end = hi
         launches.append((first, end - first, [s for s in rel[:max_segments] if s.out_offset - chunk.start < end]))
@@ -358,8 +366,9 @@ class Level1Step:
     order: list[int]  # staged node peers' local ranks, in the order their contributions are added
 
 
-def level1_steps(layout: GroupLayout, topo: Topology, rank: int, chunk_elems: int, piece_elems: int,
-                 max_segments: int) -> list[Level1Step]:
+def level1_steps(
+    layout: GroupLayout, topo: Topology, rank: int, chunk_elems: int, piece_elems: int, max_segments: int
+) -> list[Level1Step]:
     """Level-1 steps of a call for ``rank``, c = 1..M (node n reduces for node (n + c) mod M; c = M
     is its own node, the only step when M = 1): the destination rank this rank owns in the step,
     its chunks, each chunk's pieces (``chunk_pieces``: the copies and the sum kernel launches of
@@ -379,7 +388,13 @@ def level1_steps(layout: GroupLayout, topo: Topology, rank: int, chunk_elems: in
         pieces = []
         for chunk, chunk_copies in zip(chunks, by_chunk):
             bounds = chunk_pieces(chunk.length, piece_elems)
-            pieces.append(list(zip(split_copies(chunk_copies, bounds),
-                                   [split_launches(chunk, lo, hi, max_segments) for lo, hi in bounds])))
+            pieces.append(
+                list(
+                    zip(
+                        split_copies(chunk_copies, bounds),
+                        [split_launches(chunk, lo, hi, max_segments) for lo, hi in bounds],
+                    )
+                )
+            )
         steps.append(Level1Step(c, m, dest, chunks, pieces, order))
     return steps

@@ -38,8 +38,17 @@ class GroupReport:
     rs_level1_copies: int
 
 
-def group_report(name: str, count: int, shapes, topo: Topology, *, itemsize: int, wave_width: int,
-                 round_width: int, memory_efficient: bool) -> GroupReport:
+def group_report(
+    name: str,
+    count: int,
+    shapes,
+    topo: Topology,
+    *,
+    itemsize: int,
+    wave_width: int,
+    round_width: int,
+    memory_efficient: bool,
+) -> GroupReport:
     layout = GroupLayout.from_shapes(shapes, topo.world_size, itemsize)
     ag = allgather_plan(layout, topo, 0)
     ls = latin_square_plan(topo.nodes, topo.gpus_per_node, wave_width, round_width, memory_efficient)
@@ -72,8 +81,16 @@ its node per reduce-scatter."""
 MULTICAST_LEGEND = "AG copies if multicast: the count with NVSwitch multicast, which TIDE does not use (a comparison)."
 
 
-def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_width: int | None = None,
-                 round_width: int | None = None, memory_efficient: bool = False, verbose: bool = False) -> str:
+def model_report(
+    model: ModelShapes,
+    topo: Topology,
+    *,
+    itemsize: int = 2,
+    wave_width: int | None = None,
+    round_width: int | None = None,
+    memory_efficient: bool = False,
+    verbose: bool = False,
+) -> str:
     """The plan as text. ``verbose`` adds the multicast descriptor count and the paper's equation
     and appendix numbers behind each formula."""
     L, M, N = topo.gpus_per_node, topo.nodes, topo.world_size
@@ -93,8 +110,18 @@ def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_
     except Exception as exc:  # report, do not crash: the CLI is for exploring plans
         validity = f"INVALID: {exc}"
     for g in model.groups:
-        reports.append(group_report(g.name, g.count, g.shapes, topo, itemsize=itemsize, wave_width=wave_width,
-                                    round_width=k, memory_efficient=memory_efficient))
+        reports.append(
+            group_report(
+                g.name,
+                g.count,
+                g.shapes,
+                topo,
+                itemsize=itemsize,
+                wave_width=wave_width,
+                round_width=k,
+                memory_efficient=memory_efficient,
+            )
+        )
 
     paper = (lambda ref: f" ({ref})") if verbose else (lambda ref: "")
     lines = [
@@ -102,13 +129,15 @@ def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_
         f"(N={N}), {itemsize}-byte all-gather, bf16 gradients reduced in fp32",
         "",
         f"{'group':<8} {'count':>5} {'params':>6} {'shard/rank':>11} {'gathered':>11} {'AG rounds':>9} "
-        f"{'AG copies':>9} " + (f"{'AG copies if multicast':>22} " if verbose else "")
+        f"{'AG copies':>9} "
+        + (f"{'AG copies if multicast':>22} " if verbose else "")
         + f"{'AG stage':>11} {'RS waves':>8} {'RS rounds':>9} {'RS copies':>9}",
     ]
     for r in reports:
         lines.append(
             f"{r.name:<8} {r.count:>5} {r.num_params:>6} {fmt_bytes(r.shard_bytes):>11} {fmt_bytes(r.group_bytes):>11} "
-            f"{r.ag_rounds:>9} {r.ag_descriptors:>9} " + (f"{r.ag_descriptors_multicast:>22} " if verbose else "")
+            f"{r.ag_rounds:>9} {r.ag_descriptors:>9} "
+            + (f"{r.ag_descriptors_multicast:>22} " if verbose else "")
             + f"{fmt_bytes(r.stage_bytes):>11} {r.rs_waves:>8} {r.rs_rounds:>9} {r.rs_level1_copies:>9}"
         )
     lines += ["", COLUMNS_LEGEND] + ([MULTICAST_LEGEND] if verbose else [])
@@ -130,10 +159,23 @@ def model_report(model: ModelShapes, topo: Topology, *, itemsize: int = 2, wave_
         f"N*S={fmt_bytes(largest[1].group_bytes)}):",
     ]
     S = largest[1].total_shard_bytes
-    depth = {"stock": None, "in_place": latin_square_plan(M, L, wave_width, k, False).outbox_depth,
-             "slot_reuse": latin_square_plan(M, L, wave_width, k, True).outbox_depth}
-    models = {mode: backward_live_bytes(mode, nodes=M, gpus_per_node=L, shard_bytes=S, generations=ls.generations,
-                                        round_width=k, outbox_depth=depth[mode]) for mode in depth}
+    depth = {
+        "stock": None,
+        "in_place": latin_square_plan(M, L, wave_width, k, False).outbox_depth,
+        "slot_reuse": latin_square_plan(M, L, wave_width, k, True).outbox_depth,
+    }
+    models = {
+        mode: backward_live_bytes(
+            mode,
+            nodes=M,
+            gpus_per_node=L,
+            shard_bytes=S,
+            generations=ls.generations,
+            round_width=k,
+            outbox_depth=depth[mode],
+        )
+        for mode in depth
+    }
     components = []
     for live in models.values():
         components += [c for c in live.components if c not in components]

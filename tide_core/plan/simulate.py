@@ -70,7 +70,11 @@ def simulate_allgather(layout: GroupLayout, topo: Topology, shards: list[list[np
     for r, plan in enumerate(plans):
         node = topo.node_of(r)
         for push in plan.local_pushes:
-            write(topo.rank(node, push.dst_local), push.dst_offset, packed[r][layout.shard_elem_offset(push.param) :][: push.nbytes // item])
+            write(
+                topo.rank(node, push.dst_local),
+                push.dst_offset,
+                packed[r][layout.shard_elem_offset(push.param) :][: push.nbytes // item],
+            )
 
     stage = [np.zeros(max(M - 1, 0) * S // item, dtype=dtype) for _ in range(N)]
     for d in range(len(plans[0].rounds)):
@@ -104,7 +108,9 @@ def simulate_allgather(layout: GroupLayout, topo: Topology, shards: list[list[np
     return AllGatherResult(landings=landings, write_counts=write_counts, stage_peak_bytes=max(M - 1, 0) * S)
 
 
-def check_allgather(layout: GroupLayout, topo: Topology, shards: list[list[np.ndarray]], result: AllGatherResult) -> None:
+def check_allgather(
+    layout: GroupLayout, topo: Topology, shards: list[list[np.ndarray]], result: AllGatherResult
+) -> None:
     """The result must be FSDP2's unsharded layout on every rank, every element written once."""
     N = topo.world_size
     for r in range(N):
@@ -160,7 +166,9 @@ def simulate_reduce_scatter(
     for r in range(N):
         for p in range(layout.num_params):
             if flat[r][p].size != layout.rows[p] * layout.cols[p]:
-                raise PlanError(f"grads[{r}][{p}] has {flat[r][p].size} elements, expected {layout.rows[p]}x{layout.cols[p]}")
+                raise PlanError(
+                    f"grads[{r}][{p}] has {flat[r][p].size} elements, expected {layout.rows[p]}x{layout.cols[p]}"
+                )
     base = [np.zeros(E, np.float32) if outputs is None else np.asarray(outputs[r], np.float32).copy() for r in range(N)]
     # inbox[(rank, generation, block)] = (values, tag); blocks start zeroed (allocation)
     inbox: dict = {}
@@ -176,7 +184,9 @@ def simulate_reduce_scatter(
         staging: dict = {}
         for sender in range(N):
             for cp in level1_copies(layout, topo, sender, chunk_elems):
-                row = staging.setdefault((cp.owner, cp.dest_rank), {}).setdefault(sender, np.full(E, np.nan, np.float32))
+                row = staging.setdefault((cp.owner, cp.dest_rank), {}).setdefault(
+                    sender, np.full(E, np.nan, np.float32)
+                )
                 start = chunks[cp.dest_rank][cp.chunk].start + cp.staging_offset
                 row[start : start + cp.length] = flat[sender][cp.param][cp.src_offset : cp.src_offset + cp.length]
         partial: dict = {}  # (src_node, dest_rank) -> fp32 E
@@ -193,11 +203,20 @@ def simulate_reduce_scatter(
                                 continue
                             lo = seg.out_offset
                             if src == owner:  # the owner reads its own rows in place
-                                value[lo : lo + seg.valid] = flat[src][seg.param][seg.src_offset : seg.src_offset + seg.valid]
+                                value[lo : lo + seg.valid] = flat[src][seg.param][
+                                    seg.src_offset : seg.src_offset + seg.valid
+                                ]
                             else:
                                 staged = staging[(owner, dest)][src][lo : lo + seg.valid]
-                                if np.isnan(staged).any() and not np.isnan(flat[src][seg.param][seg.src_offset : seg.src_offset + seg.valid]).any():
-                                    raise InvariantError(f"staging for dest {dest} from rank {src} was never written at {lo}")
+                                if (
+                                    np.isnan(staged).any()
+                                    and not np.isnan(
+                                        flat[src][seg.param][seg.src_offset : seg.src_offset + seg.valid]
+                                    ).any()
+                                ):
+                                    raise InvariantError(
+                                        f"staging for dest {dest} from rank {src} was never written at {lo}"
+                                    )
                                 value[lo : lo + seg.valid] = staged
                     acc = value if acc is None else (acc + value).astype(np.float32)
                 partial[(n, dest)] = acc
@@ -235,7 +254,9 @@ def simulate_reduce_scatter(
                         )
                 total = wave_sum if total is None else (total + wave_sum).astype(np.float32)
             if sorted(landed) != list(range(1, M + 1)):
-                raise InvariantError(f"dest {dest} call {call}: contributors landed {sorted(landed)}, expected 1..{M} once each")
+                raise InvariantError(
+                    f"dest {dest} call {call}: contributors landed {sorted(landed)}, expected 1..{M} once each"
+                )
             result.landed[(call, dest)] = landed
             scaled = (total * alpha32).astype(np.float32)
             out = (base[dest] + scaled).astype(np.float32) if accumulate else scaled

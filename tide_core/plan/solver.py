@@ -105,8 +105,9 @@ class MultinodeEstimate:
     total: float
 
 
-def estimate_all_gather(*, nodes: int, gpus_per_node: int, shard_bytes: int, bw_rail: float,
-                        bw_copy: float) -> MultinodeEstimate:
+def estimate_all_gather(
+    *, nodes: int, gpus_per_node: int, shard_bytes: int, bw_rail: float, bw_copy: float
+) -> MultinodeEstimate:
     """TIDE-AG over a rail: (M - 1) S bytes reach each rank over its rail in ceil(log2 M) Bruck
     rounds; each GPU writes its own shard and every received one into its L - 1 node peers' landings
     ((L - 1) M S bytes over the node's links, at the copy-engine rate ``bw_copy``). Rounds pipeline
@@ -120,8 +121,16 @@ def estimate_all_gather(*, nodes: int, gpus_per_node: int, shard_bytes: int, bw_
     return MultinodeEstimate(rail, links, 0.0, tail, max(rail, links - tail) + tail)
 
 
-def estimate_reduce_scatter(*, nodes: int, gpus_per_node: int, output_bytes_fp32: int, bw_rail: float,
-                            bw_copy: float, bw_sum_total: float, grad_itemsize: int = 2) -> MultinodeEstimate:
+def estimate_reduce_scatter(
+    *,
+    nodes: int,
+    gpus_per_node: int,
+    output_bytes_fp32: int,
+    bw_rail: float,
+    bw_copy: float,
+    bw_sum_total: float,
+    grad_itemsize: int = 2,
+) -> MultinodeEstimate:
     """TIDE-RS over a rail: each rank pushes (L - 1) of its L rows per destination node into the
     owners' staging (M (L - 1) S_grad bytes over the node's links), the Level-1 sums move
     (L b / 4 + 1) bytes per fp32 partial byte (Eq. 13's bracket) for M partials, M - 1 fp32 partials

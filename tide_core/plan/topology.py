@@ -19,7 +19,7 @@ class Topology:
                 raise PlanError(f"{name}={value!r} must be an integer >= 1")
 
     @classmethod
-    def from_world_size(cls, world_size: int, gpus_per_node: int) -> "Topology":
+    def from_world_size(cls, world_size: int, gpus_per_node: int) -> Topology:
         if not isinstance(world_size, int) or world_size < 1:
             raise PlanError(f"world_size={world_size!r} must be an integer >= 1")
         if not isinstance(gpus_per_node, int) or gpus_per_node < 1:

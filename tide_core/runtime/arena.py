@@ -10,8 +10,8 @@ would break both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -29,7 +29,9 @@ def tensor_at(base: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -
     """
     nbytes = numel * dtype.itemsize
     if offset < 0 or offset + nbytes > base.numel() * base.element_size():
-        raise ValueError(f"offset={offset} + {nbytes} bytes lies outside the {base.numel() * base.element_size()}-byte base")
+        raise ValueError(
+            f"offset={offset} + {nbytes} bytes lies outside the {base.numel() * base.element_size()}-byte base"
+        )
     if (base.data_ptr() + offset) % dtype.itemsize:
         raise ValueError(f"offset={offset} is not aligned to {dtype}")
     return raw_tensor(base.data_ptr() + offset, numel, dtype, base.device)

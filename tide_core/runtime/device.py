@@ -79,10 +79,32 @@ class CudaDevice:
         self.write_flags(self._side, addresses, value)
 
     # fp32 reduce-scatter sum -----------------------------------------------------------------------
-    def sum(self, stream, out: int, staged: list[int], segments: list[tuple], first: int, count: int,
-            alpha: float, accumulate: bool, dtype: torch.dtype, ctas: int) -> None:
-        self.lib.launch_sum(out, staged, segments, first, count, alpha, accumulate, DTYPE_CODES[dtype], ctas,
-                            stream.cuda_stream, self.sum_kernel)
+    def sum(
+        self,
+        stream,
+        out: int,
+        staged: list[int],
+        segments: list[tuple],
+        first: int,
+        count: int,
+        alpha: float,
+        accumulate: bool,
+        dtype: torch.dtype,
+        ctas: int,
+    ) -> None:
+        self.lib.launch_sum(
+            out,
+            staged,
+            segments,
+            first,
+            count,
+            alpha,
+            accumulate,
+            DTYPE_CODES[dtype],
+            ctas,
+            stream.cuda_stream,
+            self.sum_kernel,
+        )
 
     # host steps ---------------------------------------------------------------------------------------
     def host_step(self, stream, step) -> None:
@@ -140,8 +162,19 @@ def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, su
     for kind, stream, *args in ops:
         if kind == "sum":
             out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
-            program.sum(handle(stream), out, staged, segments, first, count, alpha, accumulate,
-                        DTYPE_CODES[dtype], ctas, sum_kernel)
+            program.sum(
+                handle(stream),
+                out,
+                staged,
+                segments,
+                first,
+                count,
+                alpha,
+                accumulate,
+                DTYPE_CODES[dtype],
+                ctas,
+                sum_kernel,
+            )
         else:
             getattr(program, kind)(handle(stream), *args)
     program.set_outputs(outputs, ring)

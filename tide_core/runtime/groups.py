@@ -68,18 +68,27 @@ def topology_groups(topology: Topology, group: dist.ProcessGroup | None = None) 
     me = dist.get_rank(group)
     # Only the members of a sub-group create it (local synchronization): ranks of other shard
     # groups (HSDP replicas) build their own sub-groups independently.
-    node_group = dist.new_group([ranks[r] for r in topology.node_ranks(topology.node_of(me))],
-                                use_local_synchronization=True)
-    rail_group = dist.new_group([ranks[r] for r in topology.rail_ranks(topology.local_of(me))],
-                                use_local_synchronization=True)
-    groups = TopologyGroups(topology=topology, group=group, rank=me, global_ranks=ranks,
-                            node_group=node_group, rail_group=rail_group)
+    node_group = dist.new_group(
+        [ranks[r] for r in topology.node_ranks(topology.node_of(me))], use_local_synchronization=True
+    )
+    rail_group = dist.new_group(
+        [ranks[r] for r in topology.rail_ranks(topology.local_of(me))], use_local_synchronization=True
+    )
+    groups = TopologyGroups(
+        topology=topology, group=group, rank=me, global_ranks=ranks, node_group=node_group, rail_group=rail_group
+    )
     _CACHE[key] = groups
     return groups
 
 
-def exchange(sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]],
-             group: dist.ProcessGroup | None, *, collective: str = "exchange", timeout_s: float | None = None) -> None:
+def exchange(
+    sends: list[tuple[int, torch.Tensor]],
+    recvs: list[tuple[int, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    *,
+    collective: str = "exchange",
+    timeout_s: float | None = None,
+) -> None:
     """Post every send and receive (peers are global ranks) and wait for all of them, at most
     ``timeout_s`` in all (None: the process group's own timeout); see ``wait_all``.
 
@@ -128,8 +137,14 @@ def _group_name(group: dist.ProcessGroup | None) -> str:
     return f"{group.group_name} (global ranks {dist.get_process_group_ranks(group)})"
 
 
-def peer_error(exc: BaseException, collective: str, group: dist.ProcessGroup | None, peer: int | None,
-               timeout_s: float | None = None, expired: bool = False) -> PeerStallTimeout | PeerFailure:
+def peer_error(
+    exc: BaseException,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    peer: int | None,
+    timeout_s: float | None = None,
+    expired: bool = False,
+) -> PeerStallTimeout | PeerFailure:
     """The TIDE error for a backend error ``exc`` raised while ``collective`` waited on ``peer``
     for at most ``timeout_s``: a wait that ran out of time (``expired``, or the backend says so:
     gloo "timed out", NCCL "timing out") is a stall, anything else (a closed connection, a NCCL
@@ -139,10 +154,16 @@ def peer_error(exc: BaseException, collective: str, group: dist.ProcessGroup | N
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     said = str(exc).lower()
     if timeout_s is not None and (expired or "timed out" in said or "timing out" in said):
-        return PeerStallTimeout(f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
-                                f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)")
-    return PeerFailure(f"{where}: {who} failed or its connection broke: {text}", collective=collective,
-                       group=_group_name(group), peer=peer)
+        return PeerStallTimeout(
+            f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
+            f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)"
+        )
+    return PeerFailure(
+        f"{where}: {who} failed or its connection broke: {text}",
+        collective=collective,
+        group=_group_name(group),
+        peer=peer,
+    )
 
 
 def wait_all(works: list, collective: str, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
@@ -171,8 +192,10 @@ def point_to_point_unavailable_reason(group: dist.ProcessGroup) -> str | None:
     backend = str(dist.get_backend(group))
     names = [part.split(":")[-1] for part in backend.split(",")]  # e.g. "cpu:gloo,cuda:nccl"
     if not any(name in POINT_TO_POINT_BACKENDS for name in names):
-        return (f"process group backend {backend!r} has no point-to-point send/recv "
-                f"(TIDE needs one of {', '.join(POINT_TO_POINT_BACKENDS)})")
+        return (
+            f"process group backend {backend!r} has no point-to-point send/recv "
+            f"(TIDE needs one of {', '.join(POINT_TO_POINT_BACKENDS)})"
+        )
     return None
 
 
@@ -190,8 +213,9 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def check_agreement(description: dict, group: dist.ProcessGroup | None, what: str,
-                    timeout_s: float | None = None) -> None:
+def check_agreement(
+    description: dict, group: dist.ProcessGroup | None, what: str, timeout_s: float | None = None
+) -> None:
     """Abort on every rank if ranks pass different ``description`` dicts; name rank and key.
 
     One fixed-size all-gather of a digest on the common path, bounded by ``timeout_s`` (None: the
@@ -249,13 +273,19 @@ def handshake(what: str, group: dist.ProcessGroup | None = None, timeout_s: floa
     try:
         values = _handshake_values(group.get_group_store(), key, me, size, mine, what, group, timeout_s)
     except RuntimeError as exc:  # the store's host (the group's master) is gone
-        raise PeerFailure(f"{what}: the key-value store of group {_group_name(group)} is unreachable: {exc}",
-                          collective=what, group=_group_name(group), peer=None) from exc
+        raise PeerFailure(
+            f"{what}: the key-value store of group {_group_name(group)} is unreachable: {exc}",
+            collective=what,
+            group=_group_name(group),
+            peer=None,
+        ) from exc
     for r, theirs in enumerate(values):
         if theirs != mine:
-            raise RankMismatchError(f"{what}: rank {dist.get_global_rank(group, r)} entered {theirs!r} where rank "
-                                    f"{dist.get_global_rank(group, me)} entered {mine!r} (handshake #{seq} on "
-                                    f"group {_group_name(group)})")
+            raise RankMismatchError(
+                f"{what}: rank {dist.get_global_rank(group, r)} entered {theirs!r} where rank "
+                f"{dist.get_global_rank(group, me)} entered {mine!r} (handshake #{seq} on "
+                f"group {_group_name(group)})"
+            )
 
 
 def _handshake_values(store, key: str, me: int, size: int, mine: str, what: str, group, timeout_s: float) -> list:
@@ -269,7 +299,8 @@ def _handshake_values(store, key: str, me: int, size: int, mine: str, what: str,
             ranks = [dist.get_global_rank(group, r) for r in missing]
             raise PeerStallTimeout(
                 f"{what}: rank(s) {ranks} of group {_group_name(group)} did not enter it within {timeout_s:g} s "
-                f"(they skipped it, are inside a different collective, or are late; TIDE_TIMEOUT_S sets the limit)")
+                f"(they skipped it, are inside a different collective, or are late; TIDE_TIMEOUT_S sets the limit)"
+            )
         if missing:
             time.sleep(0.02)
     return [store.get(key + str(r)).decode() for r in range(size)]

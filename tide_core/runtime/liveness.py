@@ -46,8 +46,9 @@ class PeerMonitor:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._beat()
-        self._thread = threading.Thread(target=_run, args=(weakref.ref(self), self._stop), name="tide-heartbeat",
-                                        daemon=True)
+        self._thread = threading.Thread(
+            target=_run, args=(weakref.ref(self), self._stop), name="tide-heartbeat", daemon=True
+        )
         self._thread.start()
 
     def _beat(self) -> None:
@@ -108,7 +109,7 @@ class PeerMonitor:
         self._stop.set()
 
 
-def _run(ref: "weakref.ref[PeerMonitor]", stop: threading.Event) -> None:
+def _run(ref: weakref.ref[PeerMonitor], stop: threading.Event) -> None:
     while not stop.is_set():
         monitor = ref()
         if monitor is None:

@@ -18,7 +18,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from typing import Callable
+from collections.abc import Callable
 
 from tide_core.errors import PeerFailure, PeerStallTimeout, TIDEError
 
@@ -26,8 +26,16 @@ log = logging.getLogger("tide")
 
 
 class Watchdog:
-    def __init__(self, query: Callable[[object], bool], timeout_s: float, on_stall: Callable[[str], None],
-                 poll_s: float = 0.005, abort_after_s: float | None = None, monitor=None, group: str = ""):
+    def __init__(
+        self,
+        query: Callable[[object], bool],
+        timeout_s: float,
+        on_stall: Callable[[str], None],
+        poll_s: float = 0.005,
+        abort_after_s: float | None = None,
+        monitor=None,
+        group: str = "",
+    ):
         """``monitor``: a ``PeerMonitor`` (None: stalls only); ``group`` names the transport's
         process group in PeerFailure."""
         self._query = query
@@ -96,9 +104,13 @@ class Watchdog:
                 limit = deadline if force_deadline is None else min(deadline, force_deadline)
                 if now > limit:
                     waited = self.timeout_s if limit == deadline else round(limit - start, 1)
-                    self._fail(what, PeerStallTimeout(
-                        f"{what} did not complete within {waited:g} s: a live peer is that late, "
-                        "skipped a signal or issued a different call order (TIDE_TIMEOUT_S sets the limit)"))
+                    self._fail(
+                        what,
+                        PeerStallTimeout(
+                            f"{what} did not complete within {waited:g} s: a live peer is that late, "
+                            "skipped a signal or issued a different call order (TIDE_TIMEOUT_S sets the limit)"
+                        ),
+                    )
                     break
             if self._monitor is not None and self.failure is None:
                 self._check_peers(now)
@@ -117,10 +129,16 @@ class Watchdog:
             return
         dead = monitor.dead_peers()
         if dead:
-            self._fail(oldest[3], PeerFailure(
-                f"{oldest[3]}: peer rank(s) {dead} of group {self._group} sent no heartbeat for "
-                f"{monitor.dead_after_s:g} s: the process died or froze (TIDE_PEER_DEAD_S sets the limit)",
-                collective=oldest[3], group=self._group, peer=dead[0]))
+            self._fail(
+                oldest[3],
+                PeerFailure(
+                    f"{oldest[3]}: peer rank(s) {dead} of group {self._group} sent no heartbeat for "
+                    f"{monitor.dead_after_s:g} s: the process died or froze (TIDE_PEER_DEAD_S sets the limit)",
+                    collective=oldest[3],
+                    group=self._group,
+                    peer=dead[0],
+                ),
+            )
 
     def _fail(self, what: str, failure: TIDEError) -> None:
         if self.failure is None:
@@ -139,8 +157,10 @@ class Watchdog:
 
     def _abort_if_unobserved(self) -> None:
         if not self.observed:
-            sys.stderr.write(f"TIDE fail-stop: {self.failure} (not observed by the training loop within "
-                             f"{self.abort_after_s:g} s; exiting)\n")
+            sys.stderr.write(
+                f"TIDE fail-stop: {self.failure} (not observed by the training loop within "
+                f"{self.abort_after_s:g} s; exiting)\n"
+            )
             sys.stderr.flush()
             os._exit(70)
 
@@ -150,7 +170,7 @@ class Watchdog:
             self._monitor.stop()
 
 
-def _run(ref: "weakref.ref[Watchdog]") -> None:
+def _run(ref: weakref.ref[Watchdog]) -> None:
     while True:
         dog = ref()
         if dog is None or dog._stop.is_set() or dog.failure is not None:

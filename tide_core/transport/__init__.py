@@ -10,8 +10,9 @@ from tide_core.plan import Topology
 TRANSPORTS = ("auto", "reference", "cuda")
 
 
-def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_host: bool = True,
-                            rail: str = "auto") -> str | None:
+def cuda_unavailable_reason(
+    topology: Topology, device: torch.device, *, single_host: bool = True, rail: str = "auto"
+) -> str | None:
     """Why the CUDA transport cannot serve this group (None: it can). ``single_host``: every rank of
     the group runs on this machine (multi-node topologies are then emulated over the p2p rail)."""
     if device.type != "cuda":
@@ -24,7 +25,9 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_
         from tide_core.transport.rail import nccl_rma_unavailable_reason
 
         if rail == "nccl_rma":
-            return f"{topology.nodes} nodes: the rail transport 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}"
+            return (
+                f"{topology.nodes} nodes: the rail transport 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}"
+            )
         if rail == "p2p" and not single_host:
             return f"{topology.nodes} nodes on several hosts: rail='p2p' needs one host (use rail='nccl' or 'auto')"
         if (rail == "nccl" or (rail == "auto" and not single_host)) and not torch.distributed.is_nccl_available():
@@ -32,8 +35,16 @@ def cuda_unavailable_reason(topology: Topology, device: torch.device, *, single_
     return None
 
 
-def make_transport(kind: str, topology: Topology, group, *, device: torch.device, options=None,
-                   validate_calls: bool = True, single_host: bool = True):
+def make_transport(
+    kind: str,
+    topology: Topology,
+    group,
+    *,
+    device: torch.device,
+    options=None,
+    validate_calls: bool = True,
+    single_host: bool = True,
+):
     """Build the transport ``kind`` (one of TRANSPORTS) for one shard process group. ``options``: the
     CUDA transport's ``CudaOptions`` (the reference transport takes their wave and round widths);
     ``validate_calls``: the reference transport compares every call's shapes across ranks.
@@ -57,9 +68,18 @@ def make_transport(kind: str, topology: Topology, group, *, device: torch.device
         if kind == "cuda":
             raise TIDEError(f"transport='cuda' requested but {reason}")
         if device.type == "cuda":
-            raise TIDEError(f"{reason}; stock collectives serve this group (transport='reference' would run "
-                            "TIDE's plan over torch.distributed instead)")
+            raise TIDEError(
+                f"{reason}; stock collectives serve this group (transport='reference' would run "
+                "TIDE's plan over torch.distributed instead)"
+            )
     from tide_core.transport.reference import ReferenceTransport
 
-    return ReferenceTransport(topology, group, wave_width=options.wave_width, round_width=options.round_width,
-                              validate=validate_calls, device=device, timeout_s=options.timeout_s)
+    return ReferenceTransport(
+        topology,
+        group,
+        wave_width=options.wave_width,
+        round_width=options.round_width,
+        validate=validate_calls,
+        device=device,
+        timeout_s=options.timeout_s,
+    )

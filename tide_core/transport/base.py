@@ -60,7 +60,9 @@ def validate_all_gather(layout: GroupLayout, shards, outputs, device: torch.devi
     for p in range(layout.num_params):
         R, K = layout.padded_rows(p), layout.cols[p]
         if shards[p].dim() != 1 or shards[p].numel() != R * K:
-            raise ValueError(f"shards[{p}] has shape {tuple(shards[p].shape)}; expected 1-D with R_p*K_p={R * K} elements")
+            raise ValueError(
+                f"shards[{p}] has shape {tuple(shards[p].shape)}; expected 1-D with R_p*K_p={R * K} elements"
+            )
         if tuple(outputs[p].shape) != (N * R, K):
             raise ValueError(f"outputs[{p}] has shape {tuple(outputs[p].shape)}; expected (N*R_p, K_p)={(N * R, K)}")
         for name, t in (("shards", shards[p]), ("outputs", outputs[p])):
@@ -70,7 +72,9 @@ def validate_all_gather(layout: GroupLayout, shards, outputs, device: torch.devi
                 raise ValueError(f"{name}[{p}] is on {t.device}, shards[0] on {device}")
 
 
-def validate_reduce_scatter(layout: GroupLayout, grads, out, alpha, accumulate, device: torch.device | None = None) -> None:
+def validate_reduce_scatter(
+    layout: GroupLayout, grads, out, alpha, accumulate, device: torch.device | None = None
+) -> None:
     _check_tensor_list("grads", grads, layout.num_params)
     if device is not None and isinstance(out, torch.Tensor) and out.device != device:
         raise ValueError(f"out is on {out.device}; this transport runs on {device}")
@@ -86,8 +90,10 @@ def validate_reduce_scatter(layout: GroupLayout, grads, out, alpha, accumulate, 
         if g.device != out.device:
             raise ValueError(f"grads[{p}] is on {g.device} but out is on {out.device}")
     if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or out.dim() != 1:
-        raise ValueError(f"out must be a 1-D float32 tensor, got {getattr(out, 'dtype', type(out))} "
-                         f"with shape {tuple(getattr(out, 'shape', ()))}")
+        raise ValueError(
+            f"out must be a 1-D float32 tensor, got {getattr(out, 'dtype', type(out))} "
+            f"with shape {tuple(getattr(out, 'shape', ()))}"
+        )
     if out.numel() != layout.total_shard_numel:
         raise ValueError(f"out has {out.numel()} elements; the layout's packed shard has {layout.total_shard_numel}")
     if not out.is_contiguous():
@@ -127,7 +133,9 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     def reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float = 1.0, accumulate: bool = False): ...
 
-    def landing_buffers(self, layout: GroupLayout, slot: int | str = 0, dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    def landing_buffers(
+        self, layout: GroupLayout, slot: int | str = 0, dtype: torch.dtype | None = None
+    ) -> list[torch.Tensor]:
         """Per-parameter (N*R_p, K_p) tensors in the arena segment ``slot``, laid out parameter-major
         (parameter p at byte o_p*N): exactly where TIDE-AG lands shards."""
         dtype = dtype or _DEFAULT_DTYPE[layout.itemsize]
@@ -137,7 +145,9 @@ class Transport(abc.ABC):
         seg = self.arena.segment(name, layout.group_bytes)
         N = layout.world_size
         return [
-            seg.tensor(layout.shard_offset(p) * N, layout.unsharded_numel(p), dtype).view(N * layout.padded_rows(p), layout.cols[p])
+            seg.tensor(layout.shard_offset(p) * N, layout.unsharded_numel(p), dtype).view(
+                N * layout.padded_rows(p), layout.cols[p]
+            )
             for p in range(layout.num_params)
         ]
 

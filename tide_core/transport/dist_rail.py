@@ -80,9 +80,11 @@ class DistRail:
     def exchange(self, dev, stream, sends, recvs) -> None:
         """Record one grouped exchange on ``stream``: ``sends`` / ``recvs`` are (node, uint8 tensor)
         lists; zero-byte entries are left out (both sides drop the same ones)."""
-        step = RailExchange(self.groups.rail_group,
-                            tuple((self.peer(node), t) for node, t in sends if t.numel()),
-                            tuple((self.peer(node), t) for node, t in recvs if t.numel()))
+        step = RailExchange(
+            self.groups.rail_group,
+            tuple((self.peer(node), t) for node, t in sends if t.numel()),
+            tuple((self.peer(node), t) for node, t in recvs if t.numel()),
+        )
         for _, t in step.sends + step.recvs:
             if t.dtype != torch.uint8 or t.dim() != 1:
                 raise ValueError(f"rail exchange tensors must be 1-D uint8 views, got {t.dtype} {tuple(t.shape)}")

@@ -197,9 +197,15 @@ class PushBeforeReady(Fault):
     its previous consumer may still read it (I3)."""
 
     def edit(self, labelled, call):
-        ready_waits = {i - 1 for i, (site, op) in enumerate(labelled)
-                       if site is Site.AG_PUSH and i and labelled[i - 1][0] is Site.AG_READY
-                       and labelled[i - 1][1][0] == "wait_flags" and labelled[i - 1][1][1] is op[1]}
+        ready_waits = {
+            i - 1
+            for i, (site, op) in enumerate(labelled)
+            if site is Site.AG_PUSH
+            and i
+            and labelled[i - 1][0] is Site.AG_READY
+            and labelled[i - 1][1][0] == "wait_flags"
+            and labelled[i - 1][1][1] is op[1]
+        }
         return [pair for i, pair in enumerate(labelled) if i not in ready_waits]
 
 
@@ -215,8 +221,8 @@ class PushesBeforeSums(Fault):
         if not pushes:
             return labelled
         start = next(i for i, (_, op) in enumerate(labelled) if op[0] == "record")
-        moved = [pair for pair in labelled[start + 1:] if id(pair[1][1]) in pushes]
-        rest = [pair for pair in labelled[start + 1:] if id(pair[1][1]) not in pushes]
+        moved = [pair for pair in labelled[start + 1 :] if id(pair[1][1]) in pushes]
+        rest = [pair for pair in labelled[start + 1 :] if id(pair[1][1]) not in pushes]
         return labelled[: start + 1] + moved + rest
 
 

@@ -43,8 +43,14 @@ from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
 RAILS = ("auto", "p2p", "nccl", "nccl_rma")  # TIDEConfig.rail / CudaOptions.rail
 NCCL_RMA_MIN_VERSION = (2, 29, 0)  # ncclPutSignal / ncclWaitSignal (host RMA) arrived in NCCL 2.29
-NCCL_RMA_SYMBOLS = ("ncclPutSignal", "ncclWaitSignal", "ncclSignal", "ncclCommWindowRegister", "ncclCommSplit",
-                    "ncclCommQueryProperties")
+NCCL_RMA_SYMBOLS = (
+    "ncclPutSignal",
+    "ncclWaitSignal",
+    "ncclSignal",
+    "ncclCommWindowRegister",
+    "ncclCommSplit",
+    "ncclCommQueryProperties",
+)
 
 
 class Rail(Protocol):
@@ -125,8 +131,10 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
         return "no NCCL is loaded (CPU build of torch or no CUDA)"
     shown = ".".join(map(str, version))
     if tuple(version) < NCCL_RMA_MIN_VERSION:
-        return (f"NCCL {shown} < {'.'.join(map(str, NCCL_RMA_MIN_VERSION))}: no public host RMA "
-                "(ncclPutSignal/ncclWaitSignal, hostRmaSupport)")
+        return (
+            f"NCCL {shown} < {'.'.join(map(str, NCCL_RMA_MIN_VERSION))}: no public host RMA "
+            "(ncclPutSignal/ncclWaitSignal, hostRmaSupport)"
+        )
     path = library or ctypes.util.find_library("nccl")
     if path:
         try:
@@ -136,9 +144,11 @@ def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, lib
                 return f"NCCL {shown} at {path} lacks {', '.join(missing)}"
         except OSError as exc:
             return f"NCCL {shown}: cannot open {path} ({exc})"
-    return (f"NCCL {shown} has the host RMA API (which also needs a NIC with hostRmaSupport), but TIDE's "
-            "nccl_rma rail is not built yet "
-            "(see docs/multinode.md); rail='nccl' serves groups across hosts")
+    return (
+        f"NCCL {shown} has the host RMA API (which also needs a NIC with hostRmaSupport), but TIDE's "
+        "nccl_rma rail is not built yet "
+        "(see docs/multinode.md); rail='nccl' serves groups across hosts"
+    )
 
 
 def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool, groups=None):

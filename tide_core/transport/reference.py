@@ -59,8 +59,9 @@ class ReferenceTransport(Transport):
         if not isinstance(topology, Topology):
             raise ValueError(f"topology must be a tide_core.plan.Topology, got {type(topology).__name__}")
         self.topology = topology
-        handshake(f"ReferenceTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
-                  timeout_s)
+        handshake(
+            f"ReferenceTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group), timeout_s
+        )
         self.groups = topology_groups(topology, group)
         self.timeout_s = timeout_s or group_timeout_s(self.groups.group)
         self.failure: PeerStallTimeout | PeerFailure | None = None
@@ -135,8 +136,12 @@ class ReferenceTransport(Transport):
         return self._failing(lambda: self._all_gather(layout, shards, outputs))
 
     def _all_gather(self, layout: GroupLayout, shards, outputs):
-        self._prologue("all_gather", layout, lambda: validate_all_gather(layout, shards, outputs),
-                       getattr(shards[0], "dtype", None) if shards else None)
+        self._prologue(
+            "all_gather",
+            layout,
+            lambda: validate_all_gather(layout, shards, outputs),
+            getattr(shards[0], "dtype", None) if shards else None,
+        )
         topo, me = self.topology, self.groups.rank
         n, M = self.groups.node, topo.nodes
         flat_out = [o.view(-1) for o in outputs]
@@ -152,7 +157,8 @@ class ReferenceTransport(Transport):
         self._exchange(
             [(self._g(peer), shards[p]) for peer in peers for p in range(layout.num_params)],
             [(self._g(peer), rows(p, peer)) for peer in peers for p in range(layout.num_params)],
-            self.groups.node_group, "all_gather (node-local push)",
+            self.groups.node_group,
+            "all_gather (node-local push)",
         )
         if M == 1:
             return CompletedWork()
@@ -169,7 +175,12 @@ class ReferenceTransport(Transport):
             base = (recv.dst_slot - 1) * E
             sends = [(dst, shards[p]) for p in range(layout.num_params)]
             recvs = [
-                (src, stage[base + layout.shard_elem_offset(p) : base + layout.shard_elem_offset(p) + layout.shard_numel(p)])
+                (
+                    src,
+                    stage[
+                        base + layout.shard_elem_offset(p) : base + layout.shard_elem_offset(p) + layout.shard_numel(p)
+                    ],
+                )
                 for p in range(layout.num_params)
             ]
             if send.num_slots > 1:
@@ -192,8 +203,9 @@ class ReferenceTransport(Transport):
                 for copy in plans[peer].stage_copies[d]
                 for i in range(copy.count)
             ]
-            self._exchange(forward_sends, forward_recvs, self.groups.node_group,
-                           f"all_gather (node forward, round {d})")
+            self._exchange(
+                forward_sends, forward_recvs, self.groups.node_group, f"all_gather (node forward, round {d})"
+            )
         return CompletedWork()
 
     @staticmethod
@@ -204,11 +216,15 @@ class ReferenceTransport(Transport):
     def _scatter(self, layout: GroupLayout, stage: torch.Tensor, flat_out, copy: StageCopy) -> None:
         item = layout.itemsize
         width = copy.width // item
-        src = stage.as_strided((copy.count, width), (copy.src_pitch // item, 1),
-                               stage.storage_offset() + copy.src_offset // item)
+        src = stage.as_strided(
+            (copy.count, width), (copy.src_pitch // item, 1), stage.storage_offset() + copy.src_offset // item
+        )
         dst_base = flat_out[copy.param]
-        dst = dst_base.as_strided((copy.count, width), (copy.dst_pitch // item, 1),
-                                  dst_base.storage_offset() + self._param_offset_elems(layout, copy))
+        dst = dst_base.as_strided(
+            (copy.count, width),
+            (copy.dst_pitch // item, 1),
+            dst_base.storage_offset() + self._param_offset_elems(layout, copy),
+        )
         dst.copy_(src)
 
     @staticmethod
@@ -225,8 +241,12 @@ class ReferenceTransport(Transport):
         return self._failing(lambda: self._reduce_scatter(layout, grads, out, alpha, accumulate))
 
     def _reduce_scatter(self, layout: GroupLayout, grads, out, alpha: float, accumulate: bool):
-        self._prologue("reduce_scatter", layout, lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate),
-                       getattr(grads[0], "dtype", None) if grads else None)
+        self._prologue(
+            "reduce_scatter",
+            layout,
+            lambda: validate_reduce_scatter(layout, grads, out, alpha, accumulate),
+            getattr(grads[0], "dtype", None) if grads else None,
+        )
         topo, me = self.topology, self.groups.rank
         n, u, M, L = self.groups.node, self.groups.local, topo.nodes, topo.gpus_per_node
         E, P = layout.total_shard_numel, layout.num_params
@@ -282,7 +302,8 @@ class ReferenceTransport(Transport):
                 self._exchange(
                     [(self._g(topo.rank(m, u)), partial)],
                     [(self._g(topo.rank((n - c) % M, u)), inbound)],
-                    self.groups.rail_group, f"reduce_scatter (rail, step {c})",
+                    self.groups.rail_group,
+                    f"reduce_scatter (rail, step {c})",
                 )
                 held[c] = ((u + cbar) % L, inbound)
             else:

@@ -241,12 +241,16 @@ class AllGatherRecorder:
             with dev.at(Site.RAIL_CREDIT_WAIT):
                 dev.wait_flags(s_send, [rail.credit_word(d)], e - 1)
             head = (recv.dst_slot - 1) * S
-            recvs = [(recv.src_node, stage.tensor(head + layout.shard_offset(p), layout.shard_bytes(p), torch.uint8))
-                     for p in params]
+            recvs = [
+                (recv.src_node, stage.tensor(head + layout.shard_offset(p), layout.shard_bytes(p), torch.uint8))
+                for p in params
+            ]
             if recv.num_slots > 1:
                 recvs.append((recv.src_node, stage.tensor(recv.dst_slot * S, (recv.num_slots - 1) * S, torch.uint8)))
-            sends = [(send.dst_node, raw_tensor(shards[p].data_ptr(), layout.shard_bytes(p), torch.uint8, device))
-                     for p in params]
+            sends = [
+                (send.dst_node, raw_tensor(shards[p].data_ptr(), layout.shard_bytes(p), torch.uint8, device))
+                for p in params
+            ]
             if send.num_slots > 1:
                 sends.append((send.dst_node, stage.tensor(0, (send.num_slots - 1) * S, torch.uint8)))
             with dev.at(Site.RAIL_DATA):  # the exchange is the data signal: a skipped one skips the round

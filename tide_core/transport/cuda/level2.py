@@ -199,8 +199,15 @@ class Level2Puts:
     def send(self, stream, c: int, m: int, chunk) -> None:
         mem = self.memory
         with self.dev.at(Site.RAIL_PUT):
-            self.rail.put(self.dev, stream, m, mem.rs_blocks, [mem.inbox_offset(c) + chunk.start * 4],
-                          [mem.outbox(c) + chunk.start * 4], [chunk.length * 4])
+            self.rail.put(
+                self.dev,
+                stream,
+                m,
+                mem.rs_blocks,
+                [mem.inbox_offset(c) + chunk.start * 4],
+                [mem.outbox(c) + chunk.start * 4],
+                [chunk.length * 4],
+            )
 
     def sent(self, stream, m: int) -> None:
         with self.dev.at(Site.RAIL_DATA):

@@ -73,8 +73,9 @@ class CudaOptions:
         if not self.heartbeat_s > 0:
             raise ValueError(f"heartbeat_s={self.heartbeat_s!r} must be > 0")
         if not self.peer_dead_s > 2 * self.heartbeat_s:
-            raise ValueError(f"peer_dead_s={self.peer_dead_s!r} must exceed two heartbeats "
-                             f"(heartbeat_s={self.heartbeat_s!r})")
+            raise ValueError(
+                f"peer_dead_s={self.peer_dead_s!r} must exceed two heartbeats (heartbeat_s={self.heartbeat_s!r})"
+            )
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

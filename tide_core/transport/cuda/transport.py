@@ -80,8 +80,9 @@ class CudaTransport(Transport):
             raise TypeError(f"options must be a CudaOptions, got {type(options).__name__}")
         self.topology = topology
         self.options = options = options or CudaOptions()
-        handshake(f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group),
-                  options.timeout_s)
+        handshake(
+            f"CudaTransport({topology.nodes}x{topology.gpus_per_node})", group_for(topology, group), options.timeout_s
+        )
         self.groups = topology_groups(topology, group)
         self.timeout_s = options.timeout_s or group_timeout_s(self.groups.group)
         self.rank, self.node, self.local = self.groups.rank, self.groups.node, self.groups.local
@@ -94,8 +95,11 @@ class CudaTransport(Transport):
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
             backend = CudaDevice(device, sum_kernel=options.sum_kernel)
-            allocator = allocator or (symmetric_allocator(self.groups.group, device) if single_host
-                                      else node_symmetric_allocator(self.groups, device))
+            allocator = allocator or (
+                symmetric_allocator(self.groups.group, device)
+                if single_host
+                else node_symmetric_allocator(self.groups, device)
+            )
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
         self.arena = Arena(allocator)

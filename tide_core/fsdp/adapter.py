@@ -306,7 +306,9 @@ def install(
         entry.served = group
     for key, members in ring_members.items():
         # Both ring slots are sized for the largest ring group on this transport.
-        rings[key] = SlotRing(transport=transports[key], slot_bytes=max(g.layout.group_bytes for g in members))
+        rings[key] = SlotRing(
+            transport=transports[key], slot_bytes=max(g.layout.group_bytes for g in members), members=members
+        )
         for g in members:
             g.ring = rings[key]
 
@@ -332,7 +334,7 @@ def uninstall(model: nn.Module) -> None:
     handle = model.__dict__.get(_HANDLE_ATTR)
     if handle is None:
         return
-    live = [g.name for g in handle.served_groups if g.live]
+    live = [g.name for g in handle.served_groups if g.unsharded]
     if live:  # checked before anything is undone: the model stays fully served
         raise TIDEError(
             f"cannot uninstall TIDE while group(s) {', '.join(live)} are unsharded (e.g. after a "

@@ -412,6 +412,17 @@ def unmark_served(internals: FSDPInternals | None, param_group) -> None:
         param_group._all_gather_output_fn = internals.collectives_module._default_all_gather_output_fn
 
 
+def explicit_prefetch(param_groups) -> bool:
+    """Whether any module of these groups has explicit forward or backward prefetch set
+    (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)."""
+    return any(
+        getattr(module._get_fsdp_state(), attr, None)
+        for pg in param_groups
+        for module in getattr(pg, "modules", ())
+        for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
+    )
+
+
 def unsharded_grad_pending(fsdp_params) -> bool:
     """Whether FSDP2 holds a gradient on an unsharded parameter it built over its own storage."""
     return any(

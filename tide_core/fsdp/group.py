@@ -42,6 +42,7 @@ class SlotRing:
     occupant: list[object | None] = field(default_factory=lambda: [None, None])
     release_event: list[object | None] = field(default_factory=lambda: [None, None])
     next_index: int = 0
+    members: list = field(default_factory=list)  # the TideGroups sharing the two slots
 
     def segment(self, q: int) -> Segment:
         if self.segments[q] is None:
@@ -148,6 +149,12 @@ class TideGroup:
         for, cleared at the end of backward): the landing holds nothing, and no free follows."""
         return self.live and compat.all_gather_dropped(self.pg)
 
+    @property
+    def unsharded(self) -> bool:
+        """FSDP2 holds this group's unsharded parameters over its landing (a dropped all-gather
+        does not count: nothing was built over it)."""
+        return self.live and not self._gather_dropped()
+
     def unbind(self) -> None:
         """Give FSDP2 its own storage back (uninstall). Only between steps."""
         if self._gather_dropped():
@@ -202,13 +209,7 @@ class TideGroup:
         return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
 
     def _conflict_cause(self) -> str:
-        explicit = any(
-            getattr(m._get_fsdp_state(), attr, None)
-            for g in self.handle.served_groups
-            for m in getattr(g.pg, "modules", ())
-            for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
-        )
-        if explicit:
+        if compat.explicit_prefetch([g.pg for g in self.ring.members]):
             return (
                 "explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
                 "live when the landings were placed"

@@ -172,11 +172,14 @@ def wait_all(works: list, collective: str, group: dist.ProcessGroup | None, time
     PeerStallTimeout, a dead one PeerFailure, both naming the collective, the group and the peer.
     The backend's wait does the timing (gloo and NCCL both take a timeout), so no thread polls."""
     timeout_s = group_timeout_s(group) if timeout_s is None else timeout_s
+    # Backends outside the known ones (e.g. torch's in-process threaded test group, whose works
+    # take no finite timeout) wait under their own timeout.
+    bounded = point_to_point_unavailable_reason(group if group is not None else dist.group.WORLD) is None
     deadline = time.monotonic() + timeout_s
     for peer, work in works:
         remaining = max(deadline - time.monotonic(), 0.001)
         try:
-            work.wait(timeout=timedelta(seconds=remaining))
+            work.wait(timeout=timedelta(seconds=remaining)) if bounded else work.wait()
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
             expired = time.monotonic() >= deadline
             raise peer_error(exc, collective, group, peer, timeout_s, expired) from exc
@@ -270,8 +273,11 @@ def handshake(what: str, group: dist.ProcessGroup | None = None, timeout_s: floa
     me, size = dist.get_rank(group), dist.get_world_size(group)
     mine = f"{HANDSHAKE_MAGIC}/{HANDSHAKE_VERSION}/{what}"
     key = f"tide/handshake/{seq}/"
+    store = group.get_group_store()
+    if store is None:  # a group without a key-value store (torch's in-process threaded test group)
+        return
     try:
-        values = _handshake_values(group.get_group_store(), key, me, size, mine, what, group, timeout_s)
+        values = _handshake_values(store, key, me, size, mine, what, group, timeout_s)
     except RuntimeError as exc:  # the store's host (the group's master) is gone
         raise PeerFailure(
             f"{what}: the key-value store of group {_group_name(group)} is unreachable: {exc}",

@@ -4,7 +4,7 @@ For rank (n, l):
 
 1. Local push: its own padded shard of every parameter goes to Landing(p, r) on every GPU of its
    node (one copy per parameter per local GPU; NVSwitch multicast would make it one per parameter,
-   which the lent machines do not allow).
+   which TIDE does not use).
 2. Rail rounds: in round d, node n forwards its first c_d = min(2**d, M - 2**d) accumulated shard
    slots to rail peer (n - 2**d) mod M and receives as many from (n + 2**d) mod M into stage
    slots [2**d, 2**d + c_d). Slot j of node n holds the shards of node (n + j) mod M; slot 0 is
@@ -148,7 +148,7 @@ class AllGatherPlan:
     def descriptor_count(self, multicast: bool = False) -> int:
         """Copy descriptors one rank issues per call.
 
-        Unicast (the lent machines): local pushes go to each of the L local GPUs and every stage
+        Unicast (what TIDE runs): local pushes go to each of the L local GPUs and every stage
         copy is issued once per local GPU. With NVSwitch multicast each is issued once.
         """
         fan_out = 1 if multicast else self.topology.gpus_per_node

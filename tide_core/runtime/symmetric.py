@@ -1,7 +1,7 @@
 """Symmetric (peer-mapped) device memory for the CUDA transport, from torch's symmetric memory.
 
 Uses torch.distributed._symmetric_memory with its CUDA backend (plain P2P mappings; multicast
-stays disabled on the lent machines and is never requested). ``symm_mem.empty`` allocates from
+is never requested). ``symm_mem.empty`` allocates from
 a torch MemPool, so ``torch.cuda.memory_reserved()`` accounts for the arena.
 """
 

@@ -7,28 +7,23 @@ import json
 import subprocess
 import sys
 
+#: Now and then a benchmark process dies in gloo with this message (a C++ thread destroyed while
+#: joinable; seen once in six runs on torch 2.15 CPU, cause not found yet, listed in the roadmap):
+#: such a run is repeated once; any other failure, or a second abort, fails the test.
+GLOO_ABORT = "terminate called without an active exception"
+
+
+def _bench(command: str, tmp_path) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "tide_core.bench", command, "--sizes", "1", "--iters", "2"]
+    argv += ["--out", str(tmp_path), "--scratch", str(tmp_path)]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
 
 def test_collective_benchmarks_run_on_cpu(tmp_path):
     for command in ("ag", "rs"):
-        proc = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "tide_core.bench",
-                command,
-                "--sizes",
-                "1",
-                "--iters",
-                "2",
-                "--out",
-                str(tmp_path),
-                "--scratch",
-                str(tmp_path),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
+        proc = _bench(command, tmp_path)
+        if proc.returncode != 0 and GLOO_ABORT in proc.stderr:
+            proc = _bench(command, tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = json.loads((tmp_path / f"{command}.json").read_text())["rows"]
         systems = {r["system"] for r in rows}

@@ -86,6 +86,11 @@ class TIDEConfig:
     #: "p2p" (copy-engine P2P, one host), "nccl" (grouped send/recv through torch.distributed) or
     #: "nccl_rma" (NCCL host RMA, >= 2.29 and a NIC that supports it; not built yet).
     rail: str = "auto"
+    #: nccl rail: register the arena with NCCL (user-buffer registration: the NIC reads the send and
+    #: writes the receive buffers in place on IB). Off by default: the all-gather's first messages
+    #: leave from FSDP2's all-gather inputs, outside the arena, and it is unmeasured on IB
+    #: (docs/multinode.md).
+    register_rail_buffers: bool = False
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
     round_width: int = 2

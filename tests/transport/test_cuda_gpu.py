@@ -213,7 +213,7 @@ def test_gpu_fault_injection_is_detected(name):
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
 
 
-def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
+def _rail_suite(rank, world_size, seed, mode, rail="p2p", register=False):
     """M = world_size "nodes" x L = 1 on one host over ``rail``: the all-gather's Bruck rounds and
     the reduce-scatter's per-node Level 1, rail partials and wave landing, against the reference
     transport bit for bit (256 KiB chunks: several per Level-1 step)."""
@@ -223,8 +223,20 @@ def _rail_suite(rank, world_size, seed, mode, rail="p2p"):
     dev = torch.device("cuda", rank)
     topo = Topology(world_size, 1)
     t = CudaTransport(
-        topo, options=cuda_options(TIDEConfig(timeout_s=60, rail=rail, mode=mode, chunk_mib=0.25, sum_slice_mib=0.0625))
+        topo,
+        options=cuda_options(
+            TIDEConfig(
+                timeout_s=60,
+                rail=rail,
+                mode=mode,
+                chunk_mib=0.25,
+                sum_slice_mib=0.0625,
+                register_rail_buffers=register,
+            )
+        ),
     )  # pieces and landing slices
+    if register:
+        assert t.registration.registered, t.registration.reason
     reference = ReferenceTransport(topo)
     rng = np.random.default_rng(seed)
     ag_cases = rs_cases = 0

@@ -31,7 +31,7 @@ from tide_core.transport.reference import ReferenceTransport
 
 
 def _node_only(alloc, topo: Topology, rank: int):
-    """Peer pointers for this rank's node only, as across hosts (``node_symmetric_allocator``): the
+    """Peer pointers for this rank's node only, as across hosts (``NodeSymmetricAllocator``): the
     nccl rail must never need another node's memory."""
     node = topo.node_of(rank)
 
@@ -73,6 +73,7 @@ def _collectives(rank, world_size, nodes, seed, tag, wave_width, segmented):
     rng = np.random.default_rng(seed)
     try:
         assert isinstance(t.rail, DistRail) and t.name == "cuda, nccl rail"
+        assert "rail buffers: not registered with NCCL (register_rail_buffers=False)" in t.describe()
         shapes = random_shapes(rng, world_size, max_params=8)
         shapes.append((world_size * 150 + 3, 5))  # several 4 KiB chunks per Level-1 step
         lay = layout_for(shapes, world_size, 2)
@@ -121,6 +122,22 @@ def test_nccl_rail_collectives_match_reference_bitwise(nodes, gpus_per_node, wav
     steps, _, segments = results[0]
     assert all(r == results[0] for r in results), results  # every rank issued the same exchanges
     assert steps > 0 and (segments > 0) == segmented, results
+
+
+def _registration_requested(rank, world_size, tag):
+    topo = Topology(world_size, 1)
+    t, dev, alloc = _transport(topo, tag, register_rail_buffers=True)
+    try:
+        return t.registration.registered, t.describe()[-1]
+    finally:
+        shut_down(dev, alloc)
+
+
+def test_rail_buffer_registration_reports_a_group_without_nccl():
+    """Registration is NCCL's: over a gloo rail group every rank reports why nothing was registered,
+    and none registers alone."""
+    results = run_distributed(_registration_requested, 2, timeout=120, args=(uuid.uuid4().hex[:8],))
+    assert results == [(False, "rail buffers: not registered: the group runs on gloo (NCCL registers buffers)")] * 2
 
 
 def _emulated_transports(tag: str, created: list, nodes: int):

@@ -26,11 +26,13 @@ NETWORK_PATH = {
 }
 
 
-@pytest.mark.parametrize("mode", ["in_place", "slot_reuse"])
-def test_nccl_rail_over_the_network_path_is_exact(mode):
-    ag, rs = run_distributed(_rail_suite, 2, args=(13, mode, "nccl"), backend="nccl", timeout=300, env=NETWORK_PATH)[0]
+@pytest.mark.parametrize("mode,register", [("in_place", False), ("slot_reuse", False), ("in_place", True)])
+def test_nccl_rail_over_the_network_path_is_exact(mode, register):
+    ag, rs = run_distributed(
+        _rail_suite, 2, args=(13, mode, "nccl", register), backend="nccl", timeout=300, env=NETWORK_PATH
+    )[0]
     print(
-        f"\nnccl rail (2 nodes x 1 GPU, NCCL over sockets, {mode}): {ag} all-gathers and {rs} reduce-scatters "
-        "bitwise equal to the reference transport"
+        f"\nnccl rail (2 nodes x 1 GPU, NCCL over sockets, {mode}, register_rail_buffers={register}): {ag} "
+        f"all-gathers and {rs} reduce-scatters bitwise equal to the reference transport"
     )
     assert (ag, rs) == (9, 9)

@@ -17,28 +17,44 @@ from tide_core.errors import TransportError
 log = logging.getLogger("tide")
 
 
-def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
-    import torch.distributed._symmetric_memory as symm_mem
+class SymmetricAllocator:
+    """Allocates arena segments that every rank of ``group`` maps (``Allocator``). ``pool``: the
+    MemPool the segments come from (None when torch has none and ``symm_mem.empty`` served them),
+    which is what NCCL registration takes (``tide_core.runtime.registration``)."""
 
-    handles = []  # keep rendezvous handles (and their peer mappings) alive with the arena
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        import torch.distributed._symmetric_memory as symm_mem
 
-    def allocate(name: str, nbytes: int):
+        self.group, self.device, self._symm_mem = group, device, symm_mem
+        self.handles: list = []  # keep rendezvous handles (and their peer mappings) alive with the arena
+        self.pool = None
+        if hasattr(symm_mem, "get_mem_pool"):
+            try:
+                self.pool = symm_mem.get_mem_pool(device)
+            except Exception as exc:  # symmetric on every rank: all fall back together
+                log.warning("TIDE: no symmetric MemPool (%s); using symm_mem.empty", exc)
+
+    def _from_pool(self, nbytes: int):
+        # Through torch's caching allocator from the symmetric pool, so that
+        # torch.cuda.memory_reserved() counts the arena.
+        with torch.cuda.use_mem_pool(self.pool):
+            base = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return base, self._symm_mem.rendezvous(base, self.group)
+
+    def __call__(self, name: str, nbytes: int):
+        group, device = self.group, self.device
         with torch.cuda.device(device):
             base = handle = None
-            if hasattr(symm_mem, "get_mem_pool"):
+            if self.pool is not None:
                 try:
-                    # Through torch's caching allocator from the symmetric pool, so that
-                    # torch.cuda.memory_reserved() counts the arena.
-                    with torch.cuda.use_mem_pool(symm_mem.get_mem_pool(device)):
-                        base = torch.empty(nbytes, dtype=torch.uint8, device=device)
-                    handle = symm_mem.rendezvous(base, group)
+                    base, handle = self._from_pool(nbytes)
                 except Exception as exc:  # symmetric on every rank: all fall back together
                     log.warning("TIDE: symmetric MemPool allocation failed (%s); using symm_mem.empty", exc)
-                    base = handle = None
+                    self.pool = base = handle = None
             if handle is None:
-                base = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
-                handle = symm_mem.rendezvous(base, group)
-        handles.append(handle)
+                base = self._symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+                handle = self._symm_mem.rendezvous(base, group)
+        self.handles.append(handle)
         me = dist.get_rank(group)
         offset = base.data_ptr() - handle.buffer_ptrs[me]
         offsets: list = [None] * dist.get_world_size(group)
@@ -50,21 +66,23 @@ def symmetric_allocator(group: dist.ProcessGroup, device: torch.device):
             raise TransportError(f"segment {name!r}: local peer pointer does not match the allocation")
         return base, peers
 
-    return allocate
 
-
-def node_symmetric_allocator(groups, device: torch.device):
+class NodeSymmetricAllocator:
     """Segments symmetric over this rank's node only (groups that span hosts: CUDA IPC stops at the
-    host). Peer pointers are indexed by the group's rank like ``symmetric_allocator``'s; ranks on
+    host). Peer pointers are indexed by the group's rank like ``SymmetricAllocator``'s; ranks on
     other nodes get None (the rail reaches them, never a pointer)."""
-    topology, node = groups.topology, groups.node
-    allocate_on_node = symmetric_allocator(groups.node_group, device)
 
-    def allocate(name: str, nbytes: int):
-        base, node_peers = allocate_on_node(name, nbytes)
-        peers: list = [None] * topology.world_size
+    def __init__(self, groups, device: torch.device):
+        self.topology, self.node = groups.topology, groups.node
+        self.on_node = SymmetricAllocator(groups.node_group, device)
+
+    @property
+    def pool(self):
+        return self.on_node.pool
+
+    def __call__(self, name: str, nbytes: int):
+        base, node_peers = self.on_node(name, nbytes)
+        peers: list = [None] * self.topology.world_size
         for local, ptr in enumerate(node_peers):
-            peers[topology.rank(node, local)] = ptr
+            peers[self.topology.rank(self.node, local)] = ptr
         return base, peers
-
-    return allocate

@@ -39,6 +39,9 @@ class CudaOptions:
     round_width: int = 2
     #: Multi-node reduce-scatter outbox: False keeps M-1 blocks, True recycles them (Eq. 9).
     recycle_outbox: bool = False
+    #: nccl rail: register the arena's MemPool with the rail communicator (NCCL user-buffer
+    #: registration, zero-copy on IB where NCCL supports it); all rail ranks or none.
+    register_rail_buffers: bool = False
     #: Seconds a live peer may be late before PeerStallTimeout (None: the process group's own
     #: timeout); after a further timeout_s nobody observed, exit the process (fail-stop) if
     #: ``abort_on_stall``. docs/reliability.md.
@@ -50,7 +53,16 @@ class CudaOptions:
     peer_dead_s: float = 60.0
 
     #: Options every rank of a group must share: they size the symmetric buffers and pace the protocol.
-    PROTOCOL = ("chunk_mib", "chunk_slots", "sum_slice_mib", "wave_width", "round_width", "rail", "recycle_outbox")
+    PROTOCOL = (
+        "chunk_mib",
+        "chunk_slots",
+        "sum_slice_mib",
+        "wave_width",
+        "round_width",
+        "rail",
+        "recycle_outbox",
+        "register_rail_buffers",
+    )
 
     def __post_init__(self) -> None:
         choices = {"sum_kernel": SUM_KERNELS, "local_copy": LOCAL_COPIES, "rail": RAILS}

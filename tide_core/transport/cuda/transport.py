@@ -9,6 +9,7 @@ heartbeat stopped into ``PeerFailure`` (docs/reliability.md).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from tide_core.runtime.arena import Arena
 from tide_core.runtime.groups import barrier, check_agreement, group_for, group_timeout_s, handshake, topology_groups
 from tide_core.runtime.liveness import PeerMonitor
 from tide_core.runtime.program import ProgramCache, ProgramRecorder
+from tide_core.runtime.registration import Registration, register_pool
 from tide_core.runtime.watchdog import Watchdog
 from tide_core.transport.base import Transport, call_description, validate_all_gather, validate_reduce_scatter
 from tide_core.transport.cuda.allgather import AllGatherRecorder
@@ -30,6 +32,8 @@ from tide_core.transport.cuda.memory import SymmetricMap
 from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import ALL_GATHER, REDUCE_SCATTER, Call, Fault, Faults
+
+log = logging.getLogger("tide")
 
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
 RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
@@ -91,14 +95,14 @@ class CudaTransport(Transport):
             raise TransportError(f"gpus_per_node={L}: the sum kernel stages at most 15 peers")
         if backend is None:
             from tide_core.runtime.device import CudaDevice
-            from tide_core.runtime.symmetric import node_symmetric_allocator, symmetric_allocator
+            from tide_core.runtime.symmetric import NodeSymmetricAllocator, SymmetricAllocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
             backend = CudaDevice(device, sum_kernel=options.sum_kernel)
             allocator = allocator or (
-                symmetric_allocator(self.groups.group, device)
+                SymmetricAllocator(self.groups.group, device)
                 if single_host
-                else node_symmetric_allocator(self.groups, device)
+                else NodeSymmetricAllocator(self.groups, device)
             )
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
@@ -144,6 +148,9 @@ class CudaTransport(Transport):
                 groups=self.groups,
             )
             self.name = f"cuda, {self.rail.name} rail"
+        self.registration = None
+        if self.rail is not None and self.rail.two_sided:
+            self.registration = self._register_rail_buffers(getattr(allocator, "pool", None))
         self.dev.synchronize()
         barrier(self.groups.group, "CudaTransport", self.timeout_s)  # nobody signals into unzeroed flags
 
@@ -172,6 +179,14 @@ class CudaTransport(Transport):
             group=self.groups.group.group_name,
         )
 
+    def _register_rail_buffers(self, pool) -> Registration:
+        if not self.options.register_rail_buffers:
+            return Registration(False, "not registered with NCCL (register_rail_buffers=False)")
+        registration = register_pool(self.groups.rail_group, pool, self.device, "CudaTransport rail", self.timeout_s)
+        if not registration.registered:
+            log.warning("TIDE: rail buffers %s", registration.reason)
+        return registration
+
     def describe(self) -> list[str]:
         lines = super().describe()
         if self.rail is not None:
@@ -179,6 +194,8 @@ class CudaTransport(Transport):
                 f"{self.rail.name} rail; reduce-scatter Level 2 in {len(self.waves.waves)} Latin-square "
                 f"wave(s) of width {self.waves.wave_width}"
             )
+        if self.registration is not None:
+            lines.append(f"rail buffers: {self.registration.reason}")
         return lines
 
     # -- fail-stop ---------------------------------------------------------------------------------
@@ -338,5 +355,8 @@ class CudaTransport(Transport):
         return CudaWork(self, [pushed, summed])
 
     def close(self) -> None:
-        """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)."""
+        """Stop the watchdog thread (it also ends by itself once the transport is garbage-collected)
+        and drop the rail's NCCL registration."""
         self.watchdog.stop()
+        if self.registration is not None:
+            self.registration.release()

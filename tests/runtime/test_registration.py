@@ -3,6 +3,8 @@ and on a GPU (marked `cuda`): registered, undone on release, collectives on regi
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -97,15 +99,20 @@ def _register_and_reduce(rank, world_size):
     again = register_pool(group, allocate.pool, device, "test", timeout_s=60)
     assert again.registered
     again.release()
-    return base.data_ptr()
+    return base.data_ptr(), later.data_ptr()
 
 
 @pytest.mark.cuda
 def test_arena_pool_registers_with_nccl_and_releases(tmp_path):
     env = {"NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "REG", "NCCL_DEBUG_FILE": str(tmp_path / "nccl.%p.log")}
-    (ptr,) = run_distributed(_register_and_reduce, 1, backend="nccl", timeout=120, env=env)
-    if ptr is None:
+    (pointers,) = run_distributed(_register_and_reduce, 1, backend="nccl", timeout=120, env=env)
+    if pointers is None:
         pytest.skip("this torch has no symmetric MemPool")
     logs = "".join(p.read_text(errors="replace") for p in tmp_path.glob("nccl.*.log"))
-    print("\n".join(line for line in logs.splitlines() if "eg" in line)[-3000:])
-    assert "regist" in logs.lower(), "NCCL logged no registration"
+    # NCCL's own record of each ncclCommRegister: "register comm <comm> buffer <address> size <bytes>"
+    registered = [
+        (int(m[1], 16), int(m[2])) for m in re.finditer(r"register comm \S+ buffer (0x[0-9a-f]+) size (\d+)", logs)
+    ]
+    print("\nNCCL registered (address, bytes):", [(hex(a), n) for a, n in registered])
+    for ptr in pointers:  # the first segment at registration, the later one through torch's hook; both again
+        assert sum(a <= ptr < a + n for a, n in registered) == 2, (hex(ptr), registered)

@@ -216,6 +216,19 @@ def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def all_gather_bounded(
+    mine: torch.Tensor, group: dist.ProcessGroup, what: str, timeout_s: float | None = None
+) -> list[torch.Tensor]:
+    """Every rank's ``mine`` (same shape on all), bounded by ``timeout_s`` (None: the group's timeout)."""
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    try:
+        work = dist.all_gather(everyone, mine, group=group, async_op=True)
+    except RuntimeError as exc:
+        raise peer_error(exc, what, group, None) from exc
+    wait_all([(None, work)], what, group, timeout_s)
+    return everyone
+
+
 def check_agreement(
     description: dict, group: dist.ProcessGroup | None, what: str, timeout_s: float | None = None
 ) -> None:
@@ -227,13 +240,7 @@ def check_agreement(
     """
     group = group if group is not None else dist.group.WORLD
     mine = torch.tensor([digest(sorted(description.items()))], dtype=torch.int64, device=group_device(group))
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        work = dist.all_gather(everyone, mine, group=group, async_op=True)
-    except RuntimeError as exc:
-        raise peer_error(exc, what, group, None) from exc
-    wait_all([(None, work)], what, group, timeout_s)
-    values = [int(t.item()) for t in everyone]
+    values = [int(t.item()) for t in all_gather_bounded(mine, group, what, timeout_s)]
     if len(set(values)) == 1:
         return
     descriptions: list = [None] * len(values)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tide_core.runtime.groups import peer_error, wait_all
+from tide_core.runtime.groups import all_gather_bounded
 
 log = logging.getLogger("tide")
 
@@ -44,15 +44,9 @@ class Registration:
 
 
 def _everyone(flag: bool, group, device, what: str, timeout_s: float | None) -> list[bool]:
-    """Every rank's ``flag`` (one small all-gather, bounded by ``timeout_s``)."""
+    """Every rank's ``flag``."""
     mine = torch.tensor([int(flag)], dtype=torch.int32, device=device)
-    flags = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    try:
-        work = dist.all_gather(flags, mine, group=group, async_op=True)
-    except RuntimeError as exc:
-        raise peer_error(exc, what, group, None) from exc
-    wait_all([(None, work)], what, group, timeout_s)
-    return [bool(f.item()) for f in flags]
+    return [bool(f.item()) for f in all_gather_bounded(mine, group, what, timeout_s)]
 
 
 def register_pool(group: dist.ProcessGroup, pool, device: torch.device, what: str, timeout_s: float | None = None):

@@ -148,6 +148,9 @@ def count_kernels(fn) -> tuple[int, int]:
     return kernels, copies
 
 
+ENV_PREFIXES = ("NCCL_", "TIDE_", "TORCH_SYMM_MEM_", "NVSHMEM_")
+
+
 def environment() -> dict:
     info = {
         "date": _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
@@ -178,8 +181,9 @@ def environment() -> dict:
             info["link"] = " ".join(line.split()[1:3])
         except Exception:
             pass
-    for var in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
-        if var in os.environ:
+    # The communication environment the numbers depend on (NCCL's path, multicast off, TIDE's knobs).
+    for var in sorted(os.environ):
+        if var.startswith(ENV_PREFIXES) or var == "CUDA_DEVICE_MAX_CONNECTIONS":
             info[var] = os.environ[var]
     return info
 

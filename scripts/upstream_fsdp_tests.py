@@ -2,6 +2,7 @@
 
     python scripts/upstream_fsdp_tests.py PYTORCH_CHECKOUT [--file test_fully_shard_training.py]
         [-k EXPR] [--modes stock,in_place,slot_reuse] [--out table.md] [--cpu-bodies NAME ...]
+        [--world-size N] [--cuda-to-cpu]
 
 PYTORCH_CHECKOUT is a PyTorch source tree at the tag of the installed torch (this script fetches
 nothing). For each mode it writes a wrapper module in a temporary folder that subclasses every
@@ -15,7 +16,12 @@ i.e. before the first all-gather. Every install appends its served-group count a
 reasons to a log, so the table says, per test, whether TIDE served groups or fell back, and why.
 
 ``--cpu-bodies CLASS.METHOD:SUBTESTS`` also runs the body of a GPU-only upstream test on CPU,
-as a ``run_subtests`` over the given JSON dict of subtest values (``_test_*`` method bodies).
+as a ``run_subtests`` over the given JSON dict of subtest values (``_test_*`` method bodies; a
+value ``"py:EXPR"`` is evaluated in the upstream module, e.g. a container type), or, with
+``SUBTESTS`` = ``unwrap``, the test method itself without its skip decorators. ``--world-size``
+sets every test class's rank count (on CPU the upstream ones count devices: 0 or 1);
+``--cuda-to-cpu`` imports a copy of the file whose hard-coded CUDA devices are replaced
+(``CUDA_TO_CPU``); the upstream file itself is never changed.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,7 +37,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 PATCH = """
-import json, os
+import json, os, sys
+import torch.distributed.tensor.debug as _tensor_debug
+sys.modules.setdefault("torch.distributed._tensor.debug", _tensor_debug)  # alias gone in torch 2.13
 from torch.distributed.fsdp._fully_shard import _fsdp_state
 
 _MODE = os.environ["TIDE_UPSTREAM_MODE"]
@@ -59,7 +68,7 @@ if _MODE != "stock":
 """
 
 
-def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
+def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str], world_size: int | None = None) -> str:
     lines = [
         "import sys, unittest",
         f"sys.path.insert(0, {str(test_dir)!r})",
@@ -72,6 +81,11 @@ def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
         "        _extra = {'__module__': __name__}",
         "        if issubclass(_cls, FSDPTest):  # torch 2.13's FSDPTest._run skips CPU runs; the mixin's does not",
         "            _extra['_run'] = FSDPTestMixin.__dict__['_run']",
+        (
+            f"        _extra['world_size'] = property(lambda self: {world_size})  # --world-size"
+            if world_size
+            else "        pass"
+        ),
         "        globals()[_name] = type(_name, (_cls,), _extra)",
         "del _name, _cls, _extra  # not test classes of their own",
     ]
@@ -79,19 +93,53 @@ def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str]) -> str:
         target, subtests = spec.split(":", 1)
         cls, method = target.split(".")
         body = method.replace("test_", "_test_", 1)
+        if subtests == "unwrap":  # the test method itself, without its skip decorators
+            lines += [
+                f"def _cpu_{method}(self):",
+                "    import inspect",
+                f"    return inspect.unwrap(getattr(upstream.{cls}, {method!r}))(self)",
+                f"setattr(globals()[{cls!r}], 'test_cpu_body_{method[5:]}', _cpu_{method})",
+            ]
+            continue
         lines += [
             f"def _cpu_{method}(self, _body={body!r}, _subtests={subtests!r}):",
             "    import json",
-            "    self.run_subtests(json.loads(_subtests), getattr(self, _body))",
+            "    _values = {k: [eval(v[3:], vars(upstream)) if isinstance(v, str) and v.startswith('py:') else v"
+            " for v in vs] for k, vs in json.loads(_subtests).items()}  # 'py:EXPR': a Python value such as a type",
+            "    self.run_subtests(_values, getattr(self, _body))",
             f"setattr(globals()[{cls!r}], 'test_cpu_body_{method[5:]}', _cpu_{method})",
         ]
     return "\n".join(lines) + "\n"
 
 
-def run_mode(mode: str, test_file: Path, k: str | None, cpu_bodies: list[str], workdir: Path) -> dict:
+CUDA_TO_CPU = [
+    ('"cuda"', '"cpu"'),
+    (".cuda()", ".cpu()"),
+    ("torch.cuda.device_count()", "2"),
+    ("device_ids=[self.rank]", "device_ids=None"),
+]  # DDP on CPU modules takes no device_ids
+
+
+def run_mode(
+    mode: str,
+    test_file: Path,
+    k: str | None,
+    cpu_bodies: list[str],
+    workdir: Path,
+    world_size: int | None = None,
+    cuda_to_cpu: bool = False,
+) -> dict:
     module = test_file.stem
+    test_dir = test_file.parent
+    if cuda_to_cpu:  # import a copy of the upstream file with its hard-coded CUDA device strings on CPU
+        test_dir = workdir / "cpu_src"
+        test_dir.mkdir(exist_ok=True)
+        source = test_file.read_text()
+        for old, new in CUDA_TO_CPU:
+            source = source.replace(old, new)
+        (test_dir / test_file.name).write_text(source)
     wrapper = workdir / f"tide_upstream_{mode}_{module}.py"
-    wrapper.write_text(wrapper_source(test_file.parent, module, cpu_bodies))
+    wrapper.write_text(wrapper_source(test_dir, module, cpu_bodies, world_size))
     log = workdir / f"{mode}.installs.jsonl"
     log.write_text("")
     xml = workdir / f"{mode}.xml"
@@ -107,6 +155,14 @@ def run_mode(mode: str, test_file: Path, k: str | None, cpu_bodies: list[str], w
         for child in case:
             if child.tag in ("failure", "error"):
                 message = (child.get("message") or child.text or "").strip().splitlines()
+                if message and message[0].startswith("RuntimeError: Process"):  # a rank's exception: its own line
+                    inner = [
+                        m
+                        for m in (child.text or "").splitlines()
+                        if re.match(r"E?\s*[\w.]*(Error|Exception)\b:", m) and "exited with error code" not in m
+                    ]
+                    inner = [re.sub(r"^E\s+", "", m) for m in inner]
+                    message = [inner[0].strip()] if inner else message
                 status = "fail: " + (message[0][:160] if message else child.tag)
             elif child.tag == "skipped":
                 status = "skip: " + (child.get("message") or "")[:80]
@@ -145,6 +201,18 @@ def main() -> None:
     parser.add_argument("--modes", default="stock,in_place,slot_reuse")
     parser.add_argument("--cpu-bodies", nargs="*", default=[], help="CLASS.test_METHOD:JSON_SUBTESTS")
     parser.add_argument("--out", type=Path, default=None, help="write the markdown table here too")
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        help="override every test class's world_size (CPU: device_count() is 0 or 1)",
+    )
+    parser.add_argument(
+        "--cuda-to-cpu",
+        action="store_true",
+        help='import a copy of the file with "cuda" -> "cpu", .cuda() -> .cpu(), '
+        "torch.cuda.device_count() -> 2, device_ids=[self.rank] -> device_ids=None",
+    )
     args = parser.parse_args()
     test_file = args.pytorch / "test" / "distributed" / "_composable" / "fsdp" / args.file
     if not test_file.is_file():
@@ -153,7 +221,9 @@ def main() -> None:
     results = {}
     with tempfile.TemporaryDirectory(prefix="tide_upstream_") as tmp:
         for mode in modes:
-            results[mode] = run_mode(mode, test_file, args.k, args.cpu_bodies, Path(tmp))
+            results[mode] = run_mode(
+                mode, test_file, args.k, args.cpu_bodies, Path(tmp), args.world_size, args.cuda_to_cpu
+            )
     names = sorted({n for r in results.values() for n in r["outcomes"]})
     table = [f"| test ({args.file}) | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
     table += [f"| {n} | " + " | ".join(cell(m, n, results).replace("|", "/") for m in modes) + " |" for n in names]

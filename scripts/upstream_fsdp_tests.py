@@ -2,7 +2,7 @@
 
     python scripts/upstream_fsdp_tests.py PYTORCH_CHECKOUT [--file test_fully_shard_training.py]
         [-k EXPR] [--modes stock,in_place,slot_reuse] [--out table.md] [--cpu-bodies NAME ...]
-        [--world-size N] [--cuda-to-cpu]
+        [--world-size N] [--cuda-to-cpu [--sub OLD NEW ...]]
 
 PYTORCH_CHECKOUT is a PyTorch source tree at the tag of the installed torch (this script fetches
 nothing). For each mode it writes a wrapper module in a temporary folder that subclasses every
@@ -18,10 +18,11 @@ reasons to a log, so the table says, per test, whether TIDE served groups or fel
 ``--cpu-bodies CLASS.METHOD:SUBTESTS`` also runs the body of a GPU-only upstream test on CPU,
 as a ``run_subtests`` over the given JSON dict of subtest values (``_test_*`` method bodies; a
 value ``"py:EXPR"`` is evaluated in the upstream module, e.g. a container type), or, with
-``SUBTESTS`` = ``unwrap``, the test method itself without its skip decorators. ``--world-size``
+``SUBTESTS`` = ``unwrap``, the test method itself without its skip decorators;
+``CLASS.test_NAME@_BODY:SUBTESTS`` runs body ``_BODY`` under a test name of its own. ``--world-size``
 sets every test class's rank count (on CPU the upstream ones count devices: 0 or 1);
 ``--cuda-to-cpu`` imports a copy of the file whose hard-coded CUDA devices are replaced
-(``CUDA_TO_CPU``); the upstream file itself is never changed.
+(``CUDA_TO_CPU``, plus each ``--sub OLD NEW``); the upstream file itself is never changed.
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ import torch.distributed.tensor.debug as _tensor_debug
 sys.modules.setdefault("torch.distributed._tensor.debug", _tensor_debug)  # alias gone in torch 2.13
 from torch.distributed.fsdp._fully_shard import _fsdp_state
 
-_MODE = os.environ["TIDE_UPSTREAM_MODE"]
-_LOG = os.environ["TIDE_UPSTREAM_LOG"]
+_MODE = os.environ["UPSTREAM_FSDP_MODE"]
+_LOG = os.environ["UPSTREAM_FSDP_LOG"]
 _lazy_init = _fsdp_state.FSDPState._lazy_init
 
 
@@ -92,7 +93,8 @@ def wrapper_source(test_dir: Path, module: str, cpu_bodies: list[str], world_siz
     for spec in cpu_bodies:
         target, subtests = spec.split(":", 1)
         cls, method = target.split(".")
-        body = method.replace("test_", "_test_", 1)
+        method, _, body = method.partition("@")  # CLASS.test_NAME@_BODY: a test name of one's own over a named body
+        body = body or method.replace("test_", "_test_", 1)
         if subtests == "unwrap":  # the test method itself, without its skip decorators
             lines += [
                 f"def _cpu_{method}(self):",
@@ -128,6 +130,7 @@ def run_mode(
     workdir: Path,
     world_size: int | None = None,
     cuda_to_cpu: bool = False,
+    subs: list | None = None,
 ) -> dict:
     module = test_file.stem
     test_dir = test_file.parent
@@ -135,7 +138,7 @@ def run_mode(
         test_dir = workdir / "cpu_src"
         test_dir.mkdir(exist_ok=True)
         source = test_file.read_text()
-        for old, new in CUDA_TO_CPU:
+        for old, new in CUDA_TO_CPU + [tuple(x) for x in (subs or [])]:  # --sub OLD NEW: extra replacements
             source = source.replace(old, new)
         (test_dir / test_file.name).write_text(source)
     wrapper = workdir / f"tide_upstream_{mode}_{module}.py"
@@ -143,7 +146,7 @@ def run_mode(
     log = workdir / f"{mode}.installs.jsonl"
     log.write_text("")
     xml = workdir / f"{mode}.xml"
-    env = dict(os.environ, TIDE_UPSTREAM_MODE=mode, TIDE_UPSTREAM_LOG=str(log))
+    env = dict(os.environ, UPSTREAM_FSDP_MODE=mode, UPSTREAM_FSDP_LOG=str(log))
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(wrapper), f"--junitxml={xml}"]
     if k:
         cmd += ["-k", k]
@@ -213,6 +216,14 @@ def main() -> None:
         help='import a copy of the file with "cuda" -> "cpu", .cuda() -> .cpu(), '
         "torch.cuda.device_count() -> 2, device_ids=[self.rank] -> device_ids=None",
     )
+    parser.add_argument(
+        "--sub",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("OLD", "NEW"),
+        help="with --cuda-to-cpu: one more source replacement (repeatable)",
+    )
     args = parser.parse_args()
     test_file = args.pytorch / "test" / "distributed" / "_composable" / "fsdp" / args.file
     if not test_file.is_file():
@@ -222,7 +233,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="tide_upstream_") as tmp:
         for mode in modes:
             results[mode] = run_mode(
-                mode, test_file, args.k, args.cpu_bodies, Path(tmp), args.world_size, args.cuda_to_cpu
+                mode, test_file, args.k, args.cpu_bodies, Path(tmp), args.world_size, args.cuda_to_cpu, args.sub
             )
     names = sorted({n for r in results.values() for n in r["outcomes"]})
     table = [f"| test ({args.file}) | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]

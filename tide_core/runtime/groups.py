@@ -7,6 +7,8 @@ sub-groups once per (process group, topology).
 
 from __future__ import annotations
 
+import atexit
+import gc
 import hashlib
 import pickle
 import time
@@ -42,6 +44,21 @@ class TopologyGroups:
 
 
 _CACHE: dict = {}
+
+
+@atexit.register
+def release_cached_groups() -> None:
+    """Drop the cached topology groups, and with them TIDE's references to process groups.
+
+    Runs at interpreter exit, while the interpreter is whole: a gloo group that something still
+    references is otherwise freed during shutdown's final collection, and if one of its worker
+    threads frees a finished work that holds a Python-owned tensor then, it cannot take the GIL and
+    the process aborts ("terminate called without an active exception"). Freed here (with
+    transports that only cyclic garbage still holds), after ``destroy_process_group``, it goes as
+    torch frees groups nobody else holds.
+    """
+    _CACHE.clear()
+    gc.collect()
 
 
 def group_for(topology: Topology, group: dist.ProcessGroup | None = None) -> dist.ProcessGroup:

@@ -10,8 +10,9 @@ import sys
 #: A gloo group that TIDE's group cache kept alive into interpreter shutdown aborted a benchmark
 #: process now and then with this message (a gloo worker thread freeing a finished work could not
 #: take the GIL during shutdown). The cache is now released at exit (runtime.groups, tested in
-#: tests/runtime/test_groups.py; 0 aborts in 168 runs of ag and rs on torch 2.15, 2 in 54 before); a run that still dies this
-#: way is repeated once, and any other failure, or a second abort, fails the test.
+#: tests/runtime/test_groups.py; 0 aborts in 168 runs of ag and rs on torch 2.15, 2 in 54
+#: before); a run that still dies this way is repeated once, and any other failure, or a second
+#: abort, fails the test.
 GLOO_ABORT = "terminate called without an active exception"
 
 

@@ -16,17 +16,22 @@ import sys
 GLOO_ABORT = "terminate called without an active exception"
 
 
-def _bench(command: str, tmp_path) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "tide_core.bench", command, "--sizes", "1", "--iters", "2"]
-    argv += ["--out", str(tmp_path), "--scratch", str(tmp_path)]
-    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+def _bench(*args: str, timeout: float = 300, **run) -> subprocess.CompletedProcess:
+    """``python -m tide_core.bench ARGS`` with its output captured (``run``: cwd, env)."""
+    argv = [sys.executable, "-m", "tide_core.bench", *args]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **run)
+
+
+def _small(command: str, tmp_path) -> list[str]:
+    """A 1 MiB, two-call run of ``command`` writing into ``tmp_path``."""
+    return [command, "--sizes", "1", "--iters", "2", "--out", str(tmp_path), "--scratch", str(tmp_path)]
 
 
 def test_collective_benchmarks_run_on_cpu(tmp_path):
     for command in ("ag", "rs"):
-        proc = _bench(command, tmp_path)
+        proc = _bench(*_small(command, tmp_path))
         if proc.returncode != 0 and GLOO_ABORT in proc.stderr:
-            proc = _bench(command, tmp_path)
+            proc = _bench(*_small(command, tmp_path))
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = json.loads((tmp_path / f"{command}.json").read_text())["rows"]
         systems = {r["system"] for r in rows}
@@ -41,75 +46,23 @@ def test_collective_benchmarks_run_on_cpu(tmp_path):
 
 
 def test_sweeps_traces_and_emulated_nodes_run_on_cpu(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tide_core.bench",
-            "ag",
-            "--sizes",
-            "1",
-            "--iters",
-            "2",
-            "--nodes",
-            "2",
-            "--trace",
-            "--sweep",
-            "chunk_mib=4,8",
-            "--out",
-            str(tmp_path),
-            "--scratch",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _bench(*_small("ag", tmp_path), "--nodes", "2", "--trace", "--sweep", "chunk_mib=4,8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     systems = [r["system"] for r in json.loads((tmp_path / "ag.json").read_text())["rows"]]
     assert systems[3:] == ["TIDE (reference), chunk_mib=4.0", "TIDE (reference), chunk_mib=8.0"]
     trace = json.loads((tmp_path / "trace-ag-1-tide--reference.json").read_text())
     assert trace and all(len(event) == 6 for event in trace)  # name, kind, thread, start, duration, bytes
     assert list(tmp_path.glob("*-ag-2nodes-emulated-cpu.md"))
-    bad = subprocess.run(
-        [sys.executable, "-m", "tide_core.bench", "ag", "--sweep", "nonsense=1"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = _bench("ag", "--sweep", "nonsense=1", timeout=60)
     assert bad.returncode != 0 and "--sweep wants FIELD=V1,V2" in bad.stderr
 
 
 def test_training_benchmark_runs_on_cpu_with_a_tiny_model(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tide_core.bench",
-            "train",
-            "--models",
-            "tiny",
-            "--layers",
-            "2",
-            "--tokens",
-            "64",
-            "--rounds",
-            "1",
-            "--steps",
-            "2",
-            "--loss-steps",
-            "4",
-            "--loss-tokens",
-            "32",
-            "--memory-detail",
-            "--out",
-            str(tmp_path),
-            "--scratch",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _bench(
+        "train",
+        *("--models", "tiny", "--layers", "2", "--tokens", "64", "--rounds", "1", "--steps", "2"),
+        *("--loss-steps", "4", "--loss-tokens", "32", "--memory-detail"),
+        *("--out", str(tmp_path), "--scratch", str(tmp_path)),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--memory-detail needs CUDA" in proc.stdout  # a CPU run skips the attribution and says so
@@ -141,23 +94,9 @@ def test_results_go_to_the_user_cache_by_default(tmp_path):
 
     cwd, cache = tmp_path / "cwd", tmp_path / "cache"
     cwd.mkdir()
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tide_core.bench",
-            "ag",
-            "--sizes",
-            "1",
-            "--iters",
-            "2",
-            "--scratch",
-            str(tmp_path / "raw"),
-        ],
+    proc = _bench(
+        *("ag", "--sizes", "1", "--iters", "2", "--scratch", str(tmp_path / "raw")),
         cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=300,
         env={**os.environ, "XDG_CACHE_HOME": str(cache)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -19,20 +19,23 @@ namespace {
 using SegmentTuple = std::tuple<int64_t, int64_t, int64_t, uint64_t>;
 
 tide::SumLaunch sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
-                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
-                           int kernel) {
+                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, int kernel,
+                           int tma_tile = 0, int tma_stages = 0) {
   std::vector<tide::SumSegment> segs;
   segs.reserve(segments.size());
   for (const auto& s : segments) {
     segs.push_back(tide::SumSegment{std::get<0>(s), std::get<1>(s), std::get<2>(s), std::get<3>(s)});
   }
-  return tide::make_sum_launch(out, staged, segs, first, count, alpha, accumulate, dtype, ctas, kernel);
+  return tide::make_sum_launch(out, staged, segs, first, count, alpha, accumulate, dtype, ctas, kernel, tma_tile,
+                               tma_stages);
 }
 
 void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SegmentTuple>& segments,
                    int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas, uint64_t stream,
-                   int kernel) {
-  tide::launch_sum(sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel), stream);
+                   int kernel, int tma_tile, int tma_stages) {
+  tide::launch_sum(
+      sum_launch(out, staged, segments, first, count, alpha, accumulate, dtype, ctas, kernel, tma_tile, tma_stages),
+      stream);
 }
 
 void copy_kernel_py(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
@@ -56,11 +59,23 @@ int driver_version() {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "TIDE CUDA core: copy-engine batches, stream memory operations, fp32 reduce-scatter sums";
+  // tide::Error -> RuntimeError by this module's own translator, tried before the global ones, which
+  // every extension built with the same pybind11 ABI shares (and can add to). Python callers check
+  // their arguments first (tide_core.runtime.device), so a C++ exception is a last resort.
+  py::register_local_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const tide::Error& e) {
+      py::set_error(PyExc_RuntimeError, e.what());
+    }
+  });
   m.attr("MAX_SOURCES") = tide::kMaxSources;
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
+  // CudaOptions.sum_kernel's names, and tma_lean (auto's choice where TMA applies) for measurements.
   m.attr("SUM_KERNELS") =
       py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto), py::arg("regs") = static_cast<int>(tide::kSumRegs),
-               py::arg("tma") = static_cast<int>(tide::kSumTma));
+               py::arg("tma") = static_cast<int>(tide::kSumTma),
+               py::arg("tma_lean") = static_cast<int>(tide::kSumTmaLean));
   m.def("memcpy_batch", &tide::memcpy_batch, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("stream"),
         py::arg("prefer_overlap") = true, py::call_guard<py::gil_scoped_release>(),
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");
@@ -73,8 +88,10 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(), "cuStreamWaitValue32 GEQ on each address.");
   m.def("launch_sum", &launch_sum_py, py::arg("out"), py::arg("staged"), py::arg("segments"), py::arg("first"),
         py::arg("count"), py::arg("alpha"), py::arg("accumulate"), py::arg("dtype"), py::arg("ctas"), py::arg("stream"),
-        py::arg("kernel") = static_cast<int>(tide::kSumAuto), py::call_guard<py::gil_scoped_release>(),
-        "kernel: a SUM_KERNELS value (TIDEConfig.sum_kernel).");
+        py::arg("kernel") = static_cast<int>(tide::kSumAuto), py::arg("tma_tile") = 0, py::arg("tma_stages") = 0,
+        py::call_guard<py::gil_scoped_release>(),
+        "kernel: a SUM_KERNELS value (TIDEConfig.sum_kernel); tma_tile, tma_stages: the TMA kernels' tile "
+        "(elements) and depth, 0 = planned (for measurements).");
   m.def("copy_kernel", &copy_kernel_py, py::arg("dsts"), py::arg("srcs"), py::arg("sizes"), py::arg("ctas"),
         py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "Same-GPU copies of many segments in one kernel launch per 96 segments.");
@@ -111,6 +128,8 @@ PYBIND11_MODULE(_C, m) {
   m.def("event_query", &tide::event_query, py::arg("event"), py::call_guard<py::gil_scoped_release>());
   m.def("stream_wait_event", &tide::stream_wait_event, py::arg("stream"), py::arg("event"),
         py::call_guard<py::gil_scoped_release>());
+  m.def("tma_available", &tide::tma_available,
+        "Whether the current GPU runs the TMA sum kernels (compute capability 9.0+, an sm_90+ kernel image).");
   m.def("runtime_version", &runtime_version);
   m.def("driver_version", &driver_version);
 }

@@ -4,16 +4,21 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
 namespace tide {
 
+// What tide_core._C throws; bindings.cpp turns it into RuntimeError with its own translator.
+struct Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+// The message is built without iostreams: a stream's number formatting goes through the global
+// locale's facets, which another library's copy of the C++ runtime in the process can leave
+// inconsistent with ours (a suspect for the interpreter crash on a rejected argument, H200).
 [[noreturn]] inline void fail(const std::string& what, const char* file, int line) {
-  std::ostringstream msg;
-  msg << "tide_core._C: " << what << " (" << file << ":" << line << ")";
-  throw std::runtime_error(msg.str());
+  throw Error("tide_core._C: " + what + " (" + file + ":" + std::to_string(line) + ")");
 }
 
 #define TIDE_CUDA_CHECK(expr)                                                                             \

@@ -28,21 +28,28 @@ struct SumArgs {
   int accumulate;
 };
 
-// Which kernel runs a sum. kSumAuto: the TMA pipeline where it applies (16-bit gradients, a kernel
-// image built for sm_90+) and is measured faster, i.e. at most kTmaAutoMaxStaged staged sources
-// (H200, 16 CTAs, 16 MiB chunks: 68 vs 78 us with one source, 130 vs 91 us with three), else the
-// register kernel.
-// kSumTma: the same, but an error where the GPU's kernel image has no TMA (so an A/B cannot
-// silently measure the wrong kernel). kSumRegs: always the register kernel.
-enum SumKernel { kSumAuto = 0, kSumRegs = 1, kSumTma = 2 };
+// Which kernel runs a sum. kSumAuto: the kernel (and TMA tile) chosen per number of staged
+// sources, from the table kAutoChoice in sum_kernel.cu, where it applies (16-bit gradients,
+// <= kTmaMaxStaged staged sources and a kernel image built for sm_90+ for the TMA kernels), else
+// the register kernel. kSumTma: the TMA pipeline, an error where the GPU's kernel image has no TMA
+// (so an A/B cannot silently measure the wrong kernel). kSumTmaLean: the TMA pipeline with a
+// branch-free consumer loop for tiles that are whole (every own row bulk-copied) and a producer
+// without per-tile searches or divisions; other tiles take kSumTma's per-unit path (sm_90+, like
+// kSumTma). kSumRegs: always the register kernel.
+enum SumKernel {
+  kSumAuto = 0,
+  kSumRegs = 1,
+  kSumTma = 2,
+  kSumTmaLean = 3,
+};
+constexpr int kSumKernelCount = 4;
 constexpr int kTmaMaxStaged = 7;
-constexpr int kTmaAutoMaxStaged = 1;
 
 struct SumLaunch {
   SumArgs args;
   int blocks;
   int dtype;
-  int kernel;      // kSumRegs or kSumTma: the one chosen at make time
+  int kernel;      // the SumKernel chosen at make time (never kSumAuto)
   int tile;        // TMA: elements per pipeline stage tile
   int stages;      // TMA: pipeline depth
   int smem_bytes;  // TMA: dynamic shared memory per CTA
@@ -53,9 +60,14 @@ struct SumLaunch {
 // summed in fp32 in exactly that order, alpha applied as a separate rounded multiply.
 // Checked and prepared once (a stream program keeps it); launched as often as needed, with the
 // same device current as at make time (the TMA kernel's shared-memory opt-in is set per device).
+// tma_tile / tma_stages (0: planned, or kAutoChoice's tile for kSumAuto) fix the TMA kernels' tile
+// and depth, for measurements.
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
-                          int kernel = kSumAuto);
+                          int kernel = kSumAuto, int tma_tile = 0, int tma_stages = 0);
 void launch_sum(const SumLaunch& launch, uint64_t stream);
+
+// Whether the current GPU runs the TMA kernels' sm_90+ code (kSumTma, kSumTmaLean).
+bool tma_available();
 
 }  // namespace tide

@@ -92,57 +92,153 @@ def _sum_layout(gen, dtype, n):
     return segments, own_full, mask, own_buf
 
 
+SUM_KERNEL_NAMES = ["regs", "tma", "auto", "tma_lean"]
+TMA_KERNEL_NAMES = [k for k in SUM_KERNEL_NAMES if k.startswith("tma")]
+
+
+def _skip_unless_kernel_runs(kernel):
+    if kernel.startswith("tma") and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("the TMA sum kernels need sm_90+")
+
+
+def _check_sum(lib, kernel, dtype, segments, own_full, mask, staged, cases, gen, **tuning):
+    """Runs launch_sum for each (first, count, ctas, alpha, accumulate) case over fresh random previous
+    outputs and compares bit for bit with the fp32 reference: staged sources left to right, then the
+    own rows, padding as zeros, one multiply by alpha, then the add to the previous output."""
+    n = own_full.numel()
+    stream = torch.cuda.current_stream().cuda_stream
+    staged_gpu = [s.cuda() for s in staged]
+    ns = len(staged)
+    acc = staged[0].float() if ns else own_full
+    for s in staged[1:]:
+        acc = acc + s.float()
+    if ns:
+        acc = acc + own_full
+    for first, count, ctas, alpha, accumulate in cases:
+        previous = torch.randn(n, generator=gen)
+        out = previous.cuda()
+        lib.launch_sum(
+            out.data_ptr(),
+            [s.data_ptr() for s in staged_gpu],
+            segments,
+            first,
+            count,
+            alpha,
+            accumulate,
+            DTYPE_CODES[dtype],
+            ctas,
+            stream,
+            lib.SUM_KERNELS[kernel],
+            **tuning,
+        )
+        torch.cuda.synchronize()
+        t = torch.where(mask, acc, torch.zeros(n)) * torch.tensor(alpha, dtype=torch.float32)
+        expect = previous.clone()
+        span = slice(first, first + count)
+        expect[span] = previous[span] + t[span] if accumulate else t[span]
+        got = out.cpu()
+        bad = (got.view(torch.int32) != expect.view(torch.int32)).nonzero().flatten()
+        assert bad.numel() == 0, (
+            f"{kernel} {tuning} {dtype} ns={ns} first={first} ctas={ctas} accumulate={accumulate}: "
+            f"{bad.numel()} differ, first at {bad[:5].tolist()}"
+        )
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("kernel", ["regs", "tma", "auto"])
+@pytest.mark.parametrize("kernel", SUM_KERNEL_NAMES)
 def test_sum_kernels_match_the_reference_bitwise(dtype, kernel):
     """out = (accumulate ? out : 0) + alpha * (staged[0] + ... + staged[n-1] + own), fp32 adds left to
     right, then one fp32 multiply, then the add: every kernel, 0..7 staged sources, bit for bit."""
     lib = native.lib()
-    if kernel == "tma" and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("the TMA sum kernel needs sm_90+")
+    _skip_unless_kernel_runs(kernel)
     gen = torch.Generator().manual_seed(11)
     n = 140_000
     segments, own_full, mask, _own_rows = _sum_layout(gen, dtype, n)
-    stream = torch.cuda.current_stream().cuda_stream
+    cases = (
+        (0, n, 16, 1.0, False),
+        (8 * 37, n - 8 * 37 - 13, 3, -0.37, True),
+        (8 * 2000, 8 * 3000 + 5, 64, 0.125, False),
+    )
     for ns in range(8):
         staged = [torch.randn(n, generator=gen).to(dtype) for _ in range(ns)]
-        staged_gpu = [s.cuda() for s in staged]
-        for first, count, ctas, alpha, accumulate in (
-            (0, n, 16, 1.0, False),
-            (8 * 37, n - 8 * 37 - 13, 3, -0.37, True),
-            (8 * 2000, 8 * 3000 + 5, 64, 0.125, False),
-        ):
-            previous = torch.randn(n, generator=gen)
-            out = previous.cuda()
-            lib.launch_sum(
-                out.data_ptr(),
-                [s.data_ptr() for s in staged_gpu],
-                segments,
-                first,
-                count,
-                alpha,
-                accumulate,
-                DTYPE_CODES[dtype],
-                ctas,
-                stream,
-                lib.SUM_KERNELS[kernel],
-            )
-            torch.cuda.synchronize()
-            acc = staged[0].float() if ns else own_full
-            for s in staged[1:]:
-                acc = acc + s.float()
-            if ns:
-                acc = acc + own_full
-            t = torch.where(mask, acc, torch.zeros(n)) * torch.tensor(alpha, dtype=torch.float32)
-            expect = previous.clone()
-            span = slice(first, first + count)
-            expect[span] = previous[span] + t[span] if accumulate else t[span]
-            got = out.cpu()
-            bad = (got.view(torch.int32) != expect.view(torch.int32)).nonzero().flatten()
-            assert bad.numel() == 0, (
-                f"{kernel} {dtype} ns={ns} first={first} accumulate={accumulate}: "
-                f"{bad.numel()} differ, first at {bad[:5].tolist()}"
-            )
+        _check_sum(lib, kernel, dtype, segments, own_full, mask, staged, cases, gen)
+
+
+@pytest.mark.parametrize("kernel", SUM_KERNEL_NAMES)
+def test_sum_kernels_match_the_reference_on_long_chunks(kernel):
+    """Few CTAs over a long chunk, so each thread runs many steps: the pipelines' steady state
+    (slot reuse, stage wrap-around) and not just their prologue, bit for bit; every staged count
+    for auto (each takes its own tile and depth)."""
+    lib = native.lib()
+    _skip_unless_kernel_runs(kernel)
+    gen = torch.Generator().manual_seed(17)
+    n = 1_200_000
+    segments, own_full, mask, _own_rows = _sum_layout(gen, torch.bfloat16, n)
+    cases = ((0, n, 2, 0.5, False), (8 * 11, n - 8 * 11 - 3, 5, -1.25, True))
+    for ns in range(8) if kernel == "auto" else (0, 1, 3, 7):
+        staged = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(ns)]
+        _check_sum(lib, kernel, torch.bfloat16, segments, own_full, mask, staged, cases, gen)
+
+
+@pytest.mark.parametrize("kernel", TMA_KERNEL_NAMES)
+@pytest.mark.parametrize(("tile", "stages"), [(2048, 2), (4096, 0), (8200, 2), (0, 2)])
+def test_tma_tile_and_depth_overrides_keep_the_bits(kernel, tile, stages):
+    """The tile and depth fixed for measurements (tma_tile, tma_stages; 0 = planned), including a
+    tile that is not a multiple of the consumers' stride: same bits as the reference."""
+    lib = native.lib()
+    _skip_unless_kernel_runs(kernel)
+    gen = torch.Generator().manual_seed(23)
+    n = 300_000
+    segments, own_full, mask, _own_rows = _sum_layout(gen, torch.bfloat16, n)
+    cases = ((0, n, 4, 0.5, False), (8 * 5, n - 8 * 5 - 1, 7, 2.0, True))
+    for ns in (1, 3):
+        staged = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(ns)]
+        _check_sum(
+            lib, kernel, torch.bfloat16, segments, own_full, mask, staged, cases, gen, tma_tile=tile, tma_stages=stages
+        )
+
+
+@pytest.mark.parametrize("kernel", ["tma_lean", "auto"])
+def test_lean_kernel_takes_whole_tiles_across_segment_boundaries(kernel):
+    """Segments that meet inside tiles, every own row 16-byte aligned and valid, so tiles are whole
+    through several bulk-copied pieces (the lean loop), next to tiles with padding and a misaligned
+    segment (the per-unit path), at two tiles: bit for bit, plain and accumulating."""
+    lib = native.lib()
+    _skip_unless_kernel_runs(kernel)
+    gen = torch.Generator().manual_seed(29)
+    lengths = [3000 * 8, 1000 * 8, 700 * 8, 5000 * 8, 8 * 8, 2500 * 8, 9000 * 8]
+    n = sum(lengths) + 4096 * 8
+    own_buf = torch.randn(2 * n, generator=gen).to(torch.bfloat16).cuda()
+    segments, own_full, mask = [], torch.zeros(n), torch.zeros(n, dtype=torch.bool)
+    offset, src = 0, 0
+    for i, length in enumerate(lengths + [n - sum(lengths)]):
+        valid = length - (24 if i == 5 else 0)  # one padded segment
+        start = src + (3 if i == 6 else 0)  # one misaligned segment (6 bytes off the 16-byte grid)
+        segments.append((offset, length, valid, own_buf.data_ptr() + start * 2))
+        own_full[offset : offset + valid] = own_buf[start : start + valid].float().cpu()
+        mask[offset : offset + valid] = True
+        offset += length
+        src += length + 64
+    cases = ((0, n, 3, 0.25, False), (0, n, 5, -1.5, True), (8 * 4096, n - 8 * 4096 - 8, 2, 1.0, True))
+    for tile in (0, 4096, 8192) if kernel != "auto" else (0,):
+        for ns in (1, 3):
+            staged = [torch.randn(n, generator=gen).to(torch.bfloat16) for _ in range(ns)]
+            _check_sum(lib, kernel, torch.bfloat16, segments, own_full, mask, staged, cases, gen, tma_tile=tile)
+
+
+def test_sum_rejects_unknown_kernels_and_impossible_depths():
+    lib = native.lib()
+    out = torch.zeros(1024, device="cuda")
+    own = torch.zeros(1024, dtype=torch.bfloat16, device="cuda")
+    stream = torch.cuda.current_stream().cuda_stream
+    args = (out.data_ptr(), [own.data_ptr()], [(0, 1024, 1024, own.data_ptr())], 0, 1024, 1.0, False, 0, 4, stream)
+    with pytest.raises(RuntimeError, match="SUM_KERNELS value"):
+        lib.launch_sum(*args, max(lib.SUM_KERNELS.values()) + 1)
+    if torch.cuda.get_device_capability()[0] >= 9:
+        with pytest.raises(RuntimeError, match="tma_stages exceeds"):
+            lib.launch_sum(*args, lib.SUM_KERNELS["tma"], tma_tile=65536, tma_stages=4)
+        with pytest.raises(RuntimeError, match="multiple of 8"):
+            lib.launch_sum(*args, lib.SUM_KERNELS["tma"], tma_tile=1001)
 
 
 def test_stream_program_sum_takes_the_kernel_choice():

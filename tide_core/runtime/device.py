@@ -9,10 +9,42 @@ from __future__ import annotations
 
 import torch
 
+from tide_core.errors import TransportError
 from tide_core.runtime import native
 from tide_core.runtime.program import CALLER
 
 DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+TMA_UNAVAILABLE = (
+    "launch_sum: sum_kernel='tma' needs a GPU of compute capability 9.0+ and an extension built for it"
+    " (TMA bulk copies)"
+)
+
+
+# tide_core._C checks its arguments too, but a C++ exception is its last resort: a rejected
+# argument once crashed the interpreter instead of raising (torch 2.11, H200). So every argument
+# the transport passes is checked here first, with tide_core._C's messages.
+def check_copy_args(what: str, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+    """``what``: the primitive's name in the message (memcpy_batch, copy)."""
+    if not len(dsts) == len(srcs) == len(sizes):
+        raise TransportError(f"{what}: dsts, srcs and sizes must have the same length")
+
+
+def check_sum_args(
+    out: int, staged: list[int], segments: list[tuple], first: int, dtype, max_sources: int, max_segments: int
+) -> None:
+    """launch_sum's argument checks (csrc/sum_kernel.cu, make_sum_launch) for one sum."""
+    if len(staged) > max_sources:
+        raise TransportError("launch_sum: too many staged sources")
+    if not 1 <= len(segments) <= max_segments:
+        raise TransportError(f"launch_sum: segment count must be in [1, {max_segments}]")
+    if first % 8:
+        raise TransportError("launch_sum: first element must be a multiple of 8")
+    if out % 16:
+        raise TransportError("launch_sum: out must be 16-byte aligned")
+    if dtype not in DTYPE_CODES:
+        raise TransportError(f"launch_sum: dtype must be bfloat16, float16 or float32, not {dtype}")
+    if any(address % 16 for address in staged):
+        raise TransportError("launch_sum: staged chunks must be 16-byte aligned")
 
 
 class CudaDevice:
@@ -26,9 +58,11 @@ class CudaDevice:
         if sum_kernel not in kernels:
             raise ValueError(f"sum_kernel={sum_kernel!r} is not supported; choose one of {', '.join(kernels)}")
         self.sum_kernel = kernels[sum_kernel]
+        if sum_kernel == "tma":
+            with torch.cuda.device(self.device):
+                if not self.lib.tma_available():
+                    raise TransportError(TMA_UNAVAILABLE)
         if not self.lib.stream_memops_available():
-            from tide_core.errors import TransportError
-
             raise TransportError("the CUDA driver does not provide stream memory operations (cuStreamBatchMemOp)")
         self._side = None
 
@@ -55,6 +89,7 @@ class CudaDevice:
 
     # copy engines and the copy kernel -------------------------------------------------------------
     def copy_batch(self, stream, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
+        check_copy_args("memcpy_batch", dsts, srcs, sizes)
         self.lib.memcpy_batch(dsts, srcs, sizes, stream.cuda_stream, True)
 
     def copy_2d(self, stream, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
@@ -63,6 +98,7 @@ class CudaDevice:
 
     def copy_kernel(self, stream, dsts: list[int], srcs: list[int], sizes: list[int], ctas: int) -> None:
         """Same-GPU copies in one short kernel (a batch of same-GPU copies costs ~7 us of host time each)."""
+        check_copy_args("copy", dsts, srcs, sizes)
         self.lib.copy_kernel(dsts, srcs, sizes, ctas, stream.cuda_stream)
 
     # stream memory operations --------------------------------------------------------------------
@@ -92,6 +128,7 @@ class CudaDevice:
         dtype: torch.dtype,
         ctas: int,
     ) -> None:
+        check_sum_args(out, staged, segments, first, dtype, self.max_sources, self.max_segments)
         self.lib.launch_sum(
             out,
             staged,
@@ -162,6 +199,7 @@ def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, su
     for kind, stream, *args in ops:
         if kind == "sum":
             out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
+            check_sum_args(out, staged, segments, first, dtype, lib.MAX_SOURCES, lib.MAX_SEGMENTS)
             program.sum(
                 handle(stream),
                 out,
@@ -176,6 +214,8 @@ def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, su
                 sum_kernel,
             )
         else:
+            if kind in ("copy_batch", "copy_kernel"):
+                check_copy_args("StreamProgram.copy_batch" if kind == "copy_batch" else "copy", *args[:3])
             getattr(program, kind)(handle(stream), *args)
     program.set_outputs(outputs, ring)
     return program

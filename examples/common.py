@@ -144,7 +144,7 @@ class Meter:
         }
 
     def summary(self, name: str, handle=None) -> dict:
-        """The run's row; ``handle``: TIDE's install handle (None for stock FSDP2)."""
+        """The run's row; ``handle``: TIDE's install handle (None, or TIDE switched off: stock FSDP2)."""
         elapsed = time.perf_counter() - self.start if self.start else 0.0
         return {
             "run": name,
@@ -153,8 +153,14 @@ class Meter:
             "tokens_per_s": self.tokens_per_step * self.steps / elapsed if elapsed > 0 else 0.0,
             "peak_mem_gib": peak_memory_gib(),
             "steps": len(self.losses),
-            "tide": run_totals(handle) if handle is not None else None,
+            "tide": run_totals(handle) if tide_is_on(handle) else None,
         }
+
+
+def tide_is_on(handle) -> bool:
+    """Whether TIDE was installed switched on (``enabled=False``/``TIDE_ENABLED=0`` installs it off:
+    stock FSDP2 collectives for every group)."""
+    return handle is not None and handle.config.enabled
 
 
 def peak_memory_gib() -> float:

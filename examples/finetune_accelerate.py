@@ -34,6 +34,7 @@ from common import (
     build_model,  # noqa: E402
     comparison_table,
     encode_corpus,
+    tide_is_on,
 )
 
 import tide_accelerate  # noqa: E402
@@ -65,8 +66,8 @@ def train(args, accelerator: Accelerator, tokens: torch.Tensor, *, stock: bool) 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     with tide_accelerate.disabled() if stock else contextlib.nullcontext():
         model, optimizer = accelerator.prepare(model, optimizer)
-    # The install printed TIDE's report on the main process.
-    name = "TIDE" if get_handle(model) is not None else "stock FSDP2"
+    # The install printed TIDE's report on the main process; tide: enabled: false installs it off.
+    name = "TIDE" if tide_is_on(get_handle(model)) else "stock FSDP2"
 
     meter = Meter(args.seq_len * args.batch_size * accelerator.num_processes)
     batches = batch_iterator(tokens, args.seq_len, args.batch_size, seed=args.seed, rank=accelerator.process_index)

@@ -5,7 +5,8 @@
     python examples/finetune_lightning.py --model-path /path/to/llama  # local Hugging Face weights
 
 The only TIDE-specific line is the strategy: ``Trainer(strategy=TIDEFSDPStrategy(mode="in_place"))``
-(or ``strategy="tide_fsdp"`` after ``import tide_lightning``).
+(or ``strategy="tide_fsdp"`` after ``import tide_lightning``). ``TIDE_ENABLED=0`` runs the same
+strategy on stock FSDP2 collectives (its row reads "tide (off)").
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from common import (
     build_model,  # noqa: E402
     comparison_table,
     encode_corpus,
+    tide_is_on,
 )
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from lightning.pytorch.strategies import ModelParallelStrategy  # noqa: E402
@@ -104,7 +106,10 @@ def run(args, strategy, name: str) -> dict:
     trainer.fit(module)
     if args.save_checkpoint and name == "tide":
         trainer.save_checkpoint(args.save_checkpoint)
-    summary = module.meter.summary(name, getattr(trainer.strategy, "tide_handle", None))
+    handle = getattr(trainer.strategy, "tide_handle", None)
+    if handle is not None and not tide_is_on(handle):
+        name += " (off)"  # TIDE_ENABLED=0: the TIDE strategy on stock collectives
+    summary = module.meter.summary(name, handle)
     # Free this run's model and optimizer so a following run's peak memory is its own.
     del trainer, module
     gc.collect()

@@ -67,7 +67,8 @@ def test_a_misspelled_variable_warns_once_with_the_closest_name():
 
 
 def test_an_unrelated_tide_variable_lists_what_tide_reads():
-    with pytest.warns(UserWarning, match=r"TIDE_ZZZZZZ is not a TIDE setting and is ignored; TIDE reads TIDE_MODE, "):
+    listed = r"TIDE_ZZZZZZ is not a TIDE setting and is ignored; TIDE reads TIDE_ENABLED, TIDE_MODE, "
+    with pytest.warns(UserWarning, match=listed):
         TIDEConfig.from_env(environ={"TIDE_ZZZZZZ": "1"})
 
 
@@ -82,3 +83,11 @@ def test_known_variables_do_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         TIDEConfig.from_env(environ=env)
+
+
+def test_switches_must_be_booleans():
+    with pytest.raises(ValueError, match="enabled='no' must be True or False"):
+        TIDEConfig(enabled="no")  # a truthy string must not count as on
+    with pytest.raises(ValueError, match="environment variable TIDE_ENABLED='maybe'"):
+        TIDEConfig.from_env(environ={"TIDE_ENABLED": "maybe"})
+    assert TIDEConfig.from_env(environ={"TIDE_ENABLED": "0"}).enabled is False

@@ -118,7 +118,7 @@ def read_config(path: str) -> tuple[dict, dict]:
     tide = config.pop("tide", None) or {}
     if not isinstance(tide, dict):
         raise ValueError(f"{path}: the tide: section must be a mapping of TIDE options, got {tide!r}")
-    allowed = [f.name for f in fields(TIDEConfig)]
+    allowed = list(TIDEConfig.names())
     for key in tide:
         if key not in allowed:
             raise ValueError(

@@ -51,17 +51,24 @@ class TIDEPlugin:
 
     mode: str | None = None
     transport: str | None = None
+    #: False: TIDE is installed switched off, every group on stock FSDP2 collectives (the report
+    #: says so), to compare with TIDE on the same script; None: TIDE_ENABLED, else True.
+    enabled: bool | None = None
     #: Other TIDEConfig fields, e.g. {"gpus_per_node": 4, "timeout_s": 60}.
     options: dict = field(default_factory=dict)
     config: TIDEConfig = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        clash = sorted({"mode", "transport"} & set(self.options))
+        clash = sorted({"mode", "transport", "enabled"} & set(self.options))
         if clash:
             raise ValueError(f"pass {', '.join(clash)} as TIDEPlugin field(s), not in options")
+        if self.enabled not in (None, True, False):
+            raise ValueError(f"enabled={self.enabled!r} must be True, False or None (None: TIDE_ENABLED, else True)")
         # from_env validates: bad values and unknown option names raise ValueError naming them.
-        self.config = TIDEConfig.from_env(mode=self.mode, transport=self.transport, **self.options)
-        self.mode, self.transport = self.config.mode, self.config.transport
+        self.config = TIDEConfig.from_env(
+            mode=self.mode, transport=self.transport, enabled=self.enabled, **self.options
+        )
+        self.mode, self.transport, self.enabled = self.config.mode, self.config.transport, self.config.enabled
 
 
 def enable(plugin: TIDEPlugin | None = None) -> TIDEPlugin:

@@ -12,6 +12,9 @@ import warnings
 from dataclasses import dataclass, fields
 from typing import Any
 
+from tide_core.transport import TRANSPORTS
+from tide_core.transport.cuda.options import CudaOptions, CudaSettings
+
 MODES = ("in_place", "slot_reuse")
 #: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
 #: (setup_env, gpu).
@@ -31,7 +34,14 @@ _warned_env_vars: set[str] = set()  # unknown TIDE_* names already warned about 
 
 
 @dataclass
-class TIDEConfig:
+class TIDEConfig(CudaSettings):
+    """TIDE's settings: the adapter's (below) and the CUDA transport's (``CudaSettings``: timeouts,
+    heartbeats, sum kernel and CTAs, chunks, copy lanes, local copy, sum slices, rail, rail buffer
+    registration, wave and round widths), each documented where it is defined."""
+
+    #: False: ``install`` serves no group. Every FSDP2 group keeps stock collectives (the report says
+    #: TIDE is switched off), so one script runs stock FSDP2 and TIDE by a setting alone.
+    enabled: bool = True
     #: "in_place": the reduce-scatter reads gradients where autograd left them;
     #: "slot_reuse": gradients are copied into the vacated all-gather slot and freed at once.
     mode: str = "in_place"
@@ -42,63 +52,16 @@ class TIDEConfig:
     gpus_per_node: int | None = None
     #: Groups with more parameters fall back to stock collectives (paper: 256).
     max_params: int = 256
-    #: Seconds a live peer may be late in a TIDE collective before PeerStallTimeout is raised (every
-    #: transport, every wait). None: the process group's own timeout (10 min NCCL, 30 min gloo by
-    #: default), so TIDE never gives up on a slow peer (rank-0-only evaluation, a long checkpoint
-    #: save) sooner than the backend would. Dead peers are found sooner: see peer_dead_s.
-    timeout_s: float | None = None
-    #: CUDA transport: a host heartbeat every heartbeat_s through the process group's store; a peer
-    #: silent for peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s
-    #: is. (gloo reports a dead peer's closed connection by itself.) docs/reliability.md.
-    heartbeat_s: float = 2.0
-    peer_dead_s: float = 60.0
-    #: After a failure nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
-    #: process (fail-stop, like NCCL's watchdog) instead of hanging.
-    abort_on_stall: bool = True
-    #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
-    sum_ctas: int = 16
-    #: Reduce-scatter sum kernel: "tma" (bulk-copy pipeline for 16-bit gradients with <= 7 staged
-    #: peers, regs for the rest; an error on GPUs before sm_90), "regs" (register-staged loads, any
-    #: GPU), "auto" (tma where it applies and measured faster: at most one staged peer, i.e. 2 GPUs
-    #: per node; regs for more, where the register kernel was faster on H200).
-    sum_kernel: str = "auto"
-    #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
-    #: Staging = (L-1) x slots x min(chunk, one peer's rows) bytes; fewer, larger chunks cost
-    #: less host enqueue time, more slots let pushes run further ahead of the sums.
-    chunk_mib: float = 16.0
-    chunk_slots: int = 2
-    #: All-gather: copy streams the peer pushes are spread over (balanced by bytes). Each stream
-    #: feeds its own copy-engine queue; the own shard's placement always has a stream of its own.
-    copy_lanes: int = 2
-    #: All-gather: the own shards' placement on the same GPU, "kernel" (one short copy kernel of
-    #: local_copy_ctas CTAs) or "ce" (a copy-engine batch: ~7 us of host time per parameter).
-    local_copy: str = "kernel"
-    local_copy_ctas: int = 16
-    #: Reduce-scatter: 0 (default) runs one sum kernel per chunk. > 0 cuts each chunk into slices
-    #: that write at most this many MiB of fp32 output each: the pushes signal each slice's rows as
-    #: they arrive, so a slice's sum starts before the whole chunk landed, and a compute kernel
-    #: launched meanwhile waits at most one slice for its SMs. Measured on 2xH200 (docs/design.md):
-    #: 16 cuts the one-wave GEMM's slowdown under TIDE-RS from +137-171% to +90-94% at about the
-    #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
-    #: ~9 us of host enqueue per slice and made the call up to 65% slower.
-    sum_slice_mib: float = 0.0
-    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else nccl),
-    #: "p2p" (copy-engine P2P, one host), "nccl" (grouped send/recv through torch.distributed) or
-    #: "nccl_rma" (NCCL host RMA, >= 2.29 and a NIC that supports it; not built yet).
-    rail: str = "auto"
-    #: nccl rail: register the arena with NCCL (user-buffer registration: the NIC reads the send and
-    #: writes the receive buffers in place on IB). Off by default: the all-gather's first messages
-    #: leave from FSDP2's all-gather inputs, outside the arena, and it is unmeasured on IB
-    #: (docs/multinode.md).
-    register_rail_buffers: bool = False
-    #: Latin-square wave width W (None: L) and rail round width k (multi-node).
-    wave_width: int | None = None
-    round_width: int = 2
-    #: Serve groups whose FSDP2 reduce dtype is bf16/fp16 (MixedPrecisionPolicy.reduce_dtype, or
-    #: param_dtype when reduce_dtype is unset). Stock FSDP2 sums those gradients in that dtype;
-    #: TIDE's reduce-scatter always sums in fp32 (then casts), which is more precise but not
-    #: stock's result. False (default): such groups fall back to stock collectives, saying why.
+    #: Groups whose FSDP2 reduce dtype is bf16/fp16 (MixedPrecisionPolicy.reduce_dtype, or the
+    #: gradients' dtype when it is unset): TIDE sums their gradients in fp32 and rounds the sum once
+    #: to the reduce dtype, then does what FSDP2 does next. With two ranks per shard group that is
+    #: stock's result bit for bit (a + b rounded once); with more, one rounding instead of one per
+    #: ring step (docs/fsdp-semantics.md has the measured errors). fp32_reduce=True keeps the fp32
+    #: sum (no rounding to the reduce dtype): more precise, not stock's result.
     fp32_reduce: bool = False
+    #: True: serve a bf16/fp16 reduce only where TIDE's sum is exactly stock's (shard groups of two
+    #: ranks); larger groups keep stock collectives and stock's rounding.
+    exact_stock_sums: bool = False
     #: Use the 2-slot all-gather ring for leaf groups (False: every group gets its own landing).
     ring: bool = True
     #: Reference transport: compare a digest of every call's shapes across ranks (one small all-gather).
@@ -110,9 +73,9 @@ class TIDEConfig:
         self.validate()
 
     def validate(self) -> TIDEConfig:
-        from tide_core.fsdp.options import cuda_options
-        from tide_core.transport import TRANSPORTS
-
+        for name in ("enabled", "fp32_reduce", "exact_stock_sums", "ring", "validate_calls", "profile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.mode not in MODES:
             raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         if self.transport not in TRANSPORTS:
@@ -121,8 +84,19 @@ class TIDEConfig:
             raise ValueError(f"max_params={self.max_params!r} must be an integer >= 1")
         if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
             raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
-        cuda_options(self)  # the transport's options check themselves
+        if self.fp32_reduce and self.exact_stock_sums:
+            raise ValueError(
+                "fp32_reduce=True (keep fp32 sums) contradicts exact_stock_sums=True (only stock's rounding); "
+                "set one of them"
+            )
+        CudaSettings.__post_init__(self)  # the transport's settings check themselves
         return self
+
+    def cuda_options(self) -> CudaOptions:
+        """The CUDA transport's options: the settings as they are, and Slot-Reuse's memory for speed
+        trade in the transport too (the multi-node outbox recycles blocks, Eq. 9)."""
+        settings = {name: getattr(self, name) for name in CudaSettings.settings()}
+        return CudaOptions(**settings, recycle_outbox=self.mode == "slot_reuse")
 
     @classmethod
     def from_env(cls, base: TIDEConfig | None = None, environ=None, **overrides: Any) -> TIDEConfig:
@@ -142,11 +116,17 @@ class TIDEConfig:
         values.update({k: v for k, v in overrides.items() if v is not None})
         unknown = set(values) - {f.name for f in fields(cls)}
         if unknown:
-            raise ValueError(f"unknown TIDE option(s) {sorted(unknown)}; known: {[f.name for f in fields(cls)]}")
+            raise ValueError(f"unknown TIDE option(s) {sorted(unknown)}; known: {list(cls.names())}")
         return cls(**values)
 
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """Every field's name: the adapter's first, then the transport's settings."""
+        transport = CudaSettings.settings()
+        return tuple(f.name for f in fields(cls) if f.name not in transport) + transport
+
     def describe(self) -> dict:
-        return dataclasses.asdict(self)
+        return {name: getattr(self, name) for name in self.names()}
 
 
 def env_var(field_name: str) -> str:
@@ -172,7 +152,7 @@ def _check_env_values(cls, env_values: dict, environ) -> None:
 def _warn_unknown_env_vars(environ) -> None:
     """Warn once per process about each ``TIDE_*`` variable TIDE does not read (a misspelling is
     otherwise silently ignored), naming the closest known one."""
-    known = [env_var(f.name) for f in fields(TIDEConfig)] + list(OTHER_ENV_VARS)
+    known = [env_var(name) for name in TIDEConfig.names()] + list(OTHER_ENV_VARS)
     for key in sorted(environ):
         if not key.startswith("TIDE_") or key in known or key in _warned_env_vars:
             continue

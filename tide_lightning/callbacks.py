@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lightning.pytorch.callbacks import Callback
+from typing_extensions import override
 
 from tide_core.fsdp.metrics import StepMetrics
 
@@ -16,12 +17,14 @@ class TIDEMetricsCallback(Callback):
         self._source = handle_source  # object with a ``tide_handle`` attribute (the strategy)
         self._step: StepMetrics | None = None
 
+    @override
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         handle = self._source.tide_handle
         self._step = StepMetrics(handle) if handle else None
         if self._step is not None:
             self._step.start()
 
+    @override
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self._step is None:
             return

@@ -2,7 +2,8 @@
 
 ``fabric = Fabric(strategy=TIDEFabricStrategy())`` (or ``strategy="tide_fsdp"`` after importing
 tide_lightning); ``fabric.setup(model)`` shards each transformer block and the root unless a
-``parallelize_fn`` is given, then installs TIDE.
+``parallelize_fn`` is given, then installs TIDE. The strategy's own sharding follows Fabric's
+``precision`` and ``enabled=False`` keeps stock collectives, as in ``TIDEFSDPStrategy``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from datetime import timedelta
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
 
 from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions, TIDEStrategyMixin
 
@@ -24,8 +26,8 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         parallelize_fn: Callable | None = None,
         mode: str | None = None,
         transport: str | None = None,
-        param_dtype: str | None = "bfloat16",
-        reduce_dtype: str | None = "float32",
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
         activation_checkpointing: bool = False,
         block_classes: list[str] | str | None = None,
         reshard_after_forward: bool | int = True,
@@ -34,9 +36,14 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
+        enabled: bool | None = None,
         **tide_options,
     ) -> None:
+        """The arguments of ``TIDEFSDPStrategy`` (param_dtype/reduce_dtype follow Fabric's
+        ``precision`` unless given; enabled=False: stock collectives), plus Fabric's
+        ``parallelize_fn``: with it, the strategy leaves the sharding and its dtypes to you."""
         self.tide = TIDEOptions(
+            enabled=enabled,
             mode=mode,
             transport=transport,
             param_dtype=param_dtype,
@@ -60,9 +67,11 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
 
     def _parallelize(self, module, mesh):
         if self._user_parallelize_fn is not None:
+            self.tide.warn_dtypes_unused("parallelize_fn")
             return self._user_parallelize_fn(module, mesh)
-        return self.tide.shard(module, mesh["data_parallel"])
+        return self.tide.shard(module, mesh["data_parallel"], self.precision.precision)
 
+    @override
     def setup_module(self, module):
         import tide_core
 

@@ -83,44 +83,108 @@ def test_cli_compare_stock_matches_stock_fsdp2():
     assert runs["TIDE"] == pytest.approx(runs["stock FSDP2"], abs=1e-4)
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "qwen2"])
-def test_shipped_yaml_serves_any_hugging_face_model_and_logs_to_trackers(tmp_path, arch):
-    """The shipped YAML names no layer class: Accelerate wraps the model's _no_split_modules blocks
-    (GPT2Block, Qwen2DecoderLayer), TIDE serves every group, the report is printed once, and the
-    script's tracker receives tide/* metrics for every optimizer step."""
-    proc = tide_accelerate(
-        "launch",
-        "--config_file",
-        str(CONFIG),
-        "--mixed_precision",
-        "no",
-        "--main_process_port",
-        "0",
-        "-m",
-        "tests.accelerate.any_model_app",
-        arch,
-        str(tmp_path),
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    reports = re.findall(r"TIDE in_place on (\d+) FSDP2 parameter group\(s\): (\d+) served", proc.stdout)
-    assert len(reports) == 1, proc.stdout  # once, on the main process
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
-    for r in ranks:
-        assert r["distributed_type"] == "FSDP" and len(r["blocks"]) == 3
-        # Every group served; each block is a group of its own (the rest: the root, and the embeddings
-        # that Accelerate shards separately).
-        assert r["served"] == r["groups"] and len(r["groups"]) == int(reports[0][0]) == int(reports[0][1])
-        assert set(r["blocks"]) <= set(r["groups"]), (r["blocks"], r["groups"])
-        assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
-    logged = [json.loads(line) for line in (tmp_path / "tracker.jsonl").read_text().splitlines()]
-    assert [entry["step"] for entry in logged] == [1, 2, 3]
-    assert all(entry["tide/all_gathers"] > 0 and entry["tide/reduce_scatters"] > 0 for entry in logged)
-    # The steps' metrics add up to the main process's cumulative counters.
-    stats = ranks[0]["stats"]
-    assert sum(entry["tide/all_gathers"] for entry in logged) == stats["all_gathers"]
-    assert sum(entry["tide/reduce_scatters"] for entry in logged) == stats["reduce_scatters"]
-    assert sum(entry["tide/ag_gb"] for entry in logged) * 1e9 == pytest.approx(stats["ag_bytes"])
+ARCHS = ["gpt2", "llama", "qwen2"]
+REPORT = re.compile(r"TIDE in_place on (\d+) FSDP2 parameter group\(s\): (\d+) served")
+
+
+@pytest.fixture(scope="module")
+def any_model_launch(tmp_path_factory):
+    """``(mixed_precision, enabled) -> (stdout, [rank 0 result, rank 1 result], out_dir)``: the
+    shipped YAML (mixed_precision: bf16; "no" from the command line, enabled: false written into a
+    copy's tide: section) training every arch of ARCHS in one launch; each launch runs once."""
+    done = {}
+
+    def launch(mixed_precision: str, enabled: bool):
+        key = (mixed_precision, enabled)
+        if key not in done:
+            out = tmp_path_factory.mktemp(f"any-model-{mixed_precision}-{'on' if enabled else 'off'}")
+            config = CONFIG
+            if not enabled:
+                config = out / "tide-off.yaml"
+                config.write_text(CONFIG.read_text().replace("  enabled: true ", "  enabled: false"))
+            precision = [] if mixed_precision == "bf16" else ["--mixed_precision", mixed_precision]
+            proc = tide_accelerate(
+                "launch",
+                "--config_file",
+                str(config),
+                *precision,
+                "--main_process_port",
+                "0",
+                "-m",
+                "tests.accelerate.any_model_app",
+                ",".join(ARCHS),
+                str(out),
+                timeout=600,
+            )
+            assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+            ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+            done[key] = proc.stdout, ranks, out
+        return done[key]
+
+    return launch
+
+
+def test_the_yaml_switch_reaches_the_workers(tmp_path, monkeypatch):
+    from tide_accelerate.launch import build_command
+    from tide_accelerate.plugin import TIDEPlugin
+
+    assert "\n  enabled: true " in CONFIG.read_text()  # the shipped YAML shows the switch
+    config = tmp_path / "off.yaml"
+    config.write_text(CONFIG.read_text().replace("  enabled: true ", "  enabled: false"))
+    _, env, temp_config = build_command(["--config_file", str(config), str(EXAMPLE)], environ={"TIDE_ENABLED": "1"})
+    os.unlink(temp_config)
+    assert env["TIDE_ENABLED"] == "false"  # the section replaces the shell's value
+    monkeypatch.delenv("TIDE_ENABLED", raising=False)
+    assert TIDEPlugin(options={"max_params": 8}).enabled is True
+    monkeypatch.setenv("TIDE_ENABLED", env["TIDE_ENABLED"])  # what every worker's TIDEPlugin() reads
+    assert TIDEPlugin().config.enabled is False and TIDEPlugin(enabled=True).config.enabled is True
+
+
+@pytest.mark.parametrize("mixed_precision, param_dtype", [("bf16", "torch.bfloat16"), ("no", "torch.float32")])
+def test_shipped_yaml_serves_every_group_with_stocks_results(any_model_launch, mixed_precision, param_dtype):
+    """Accelerate's FSDP2 policy for mixed_precision: bf16 is MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=bf16, output_dtype=bf16), for no none (fp32). TIDE serves every group of each model
+    (each block a group of its own), and the losses and final parameters equal those of the same
+    launch with tide: enabled: false, bit for bit (2 ranks)."""
+    out, tide_ranks, _ = any_model_launch(mixed_precision, True)
+    off_out, off_ranks, _ = any_model_launch(mixed_precision, False)
+    for tide, off in zip(tide_ranks, off_ranks):
+        assert tide["distributed_type"] == off["distributed_type"] == "FSDP"
+        assert tide["mixed_precision"] == off["mixed_precision"] == mixed_precision
+        for arch in ARCHS:
+            on, stock = tide["archs"][arch], off["archs"][arch]
+            assert len(on["blocks"]) == 3 and set(on["blocks"]) <= set(on["groups"]), (on["blocks"], on["groups"])
+            for run in (on, stock):  # the dtypes Accelerate's policy asks for
+                assert run["forward_param"] == param_dtype and run["reduce"] == [param_dtype], (arch, run)
+                assert all(math.isfinite(x) for x in run["losses"]) and run["losses"][-1] < run["losses"][0]
+            assert stock["served"] == [] and stock["switched_off"] and stock["groups"] == on["groups"]
+            assert on["losses"] == stock["losses"] and on["digest"] == stock["digest"], arch
+            assert on["served"] == on["groups"], (arch, mixed_precision, on["served"], on["groups"])
+    # The install report, once per model, on the main process.
+    reports = REPORT.findall(out)
+    assert [int(total) for total, _ in reports] == [len(tide_ranks[0]["archs"][a]["groups"]) for a in ARCHS], out
+    assert [int(served) for _, served in REPORT.findall(off_out)] == [0] * len(ARCHS)
+    assert "TIDE is switched off (enabled=False)" in off_out
+
+
+def test_shipped_yaml_logs_tide_metrics_to_trackers(any_model_launch):
+    """The script's tracker receives tide/* metrics for every optimizer step of each model, and they
+    add up to the main process's cumulative counters; switched off, every step shows zero TIDE calls."""
+    _, ranks, out_dir = any_model_launch("no", True)
+    logged = [json.loads(line) for line in (out_dir / "tracker.jsonl").read_text().splitlines()]
+    steps = len(ranks[0]["archs"][ARCHS[0]]["losses"])
+    assert [entry["step"] for entry in logged] == list(range(1, steps + 1)) * len(ARCHS)
+    for i, arch in enumerate(ARCHS):
+        model_steps = logged[i * steps : (i + 1) * steps]
+        stats = ranks[0]["archs"][arch]["stats"]
+        assert all(entry["tide/all_gathers"] > 0 and entry["tide/reduce_scatters"] > 0 for entry in model_steps)
+        assert sum(entry["tide/all_gathers"] for entry in model_steps) == stats["all_gathers"]
+        assert sum(entry["tide/reduce_scatters"] for entry in model_steps) == stats["reduce_scatters"]
+        assert sum(entry["tide/ag_gb"] for entry in model_steps) * 1e9 == pytest.approx(stats["ag_bytes"])
+    _, _, off_dir = any_model_launch("no", False)
+    off_logged = [json.loads(line) for line in (off_dir / "tracker.jsonl").read_text().splitlines()]
+    assert [entry["step"] for entry in off_logged] == list(range(1, steps + 1)) * len(ARCHS)
+    assert all(entry["tide/all_gathers"] == entry["tide/reduce_scatters"] == 0 for entry in off_logged)
 
 
 def bad_config(tmp_path, section: str) -> Path:
@@ -135,7 +199,7 @@ def test_cli_rejects_an_unknown_tide_key(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert (
         f"tide-accelerate: error: {config}: unknown key 'modee' in the tide: section (did you mean 'mode'?); "
-        "allowed: mode, transport, "
+        "allowed: enabled, mode, transport, "
         "gpus_per_node,"
     ) in proc.stderr
 
@@ -433,6 +497,10 @@ def test_plugin_options_are_validated():
         TIDEPlugin(mode="fast")
     with pytest.raises(ValueError, match="pass mode as TIDEPlugin field"):
         TIDEPlugin(options={"mode": "in_place"})
+    with pytest.raises(ValueError, match="pass enabled as TIDEPlugin field"):
+        TIDEPlugin(options={"enabled": False})
+    with pytest.raises(ValueError, match=r"enabled='off' must be True, False or None"):
+        TIDEPlugin(enabled="off")
 
 
 if __name__ == "__main__":

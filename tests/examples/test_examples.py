@@ -88,3 +88,24 @@ def test_help_shows_every_default(script):
         ("-mode", "None" if script == "finetune_accelerate.py" else "in_place"),
     ]:
         assert blocks[option].endswith(f"(default: {default})"), blocks[option]
+
+
+def test_a_run_with_tide_switched_off_is_a_stock_row(monkeypatch):
+    """TIDE_ENABLED=0 / tide: enabled: false installs TIDE switched off: the run's row carries no TIDE
+    totals, and next to a stock run it shows their loss difference."""
+    from types import SimpleNamespace
+
+    from tide_core.config import TIDEConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert not common.tide_is_on(None)
+    assert not common.tide_is_on(SimpleNamespace(config=TIDEConfig(enabled=False)))
+    assert common.tide_is_on(SimpleNamespace(config=TIDEConfig()))
+    meter = common.Meter(tokens_per_step=8)
+    for loss in (5.0, 4.5, 4.25):
+        meter.step(loss)
+    off = meter.summary("tide (off)", SimpleNamespace(config=TIDEConfig(enabled=False)))
+    assert off["tide"] is None and off["losses"] == [5.0, 4.5, 4.25]
+    lines = common.comparison_table([rows()[0], off]).splitlines()
+    assert lines[2].split() == ["tide", "(off)", "3", "4.2500", "0.0e+00"]
+    assert "all-gathers sent" not in "\n".join(lines)

@@ -146,7 +146,7 @@ def test_parity_with_stock_fsdp2_on_2_ranks():
 
 
 @pytest.mark.skipif(
-    __import__("tide_core.fsdp.compat", fromlist=["torch_version"]).torch_version() < (2, 15),
+    __import__("tide_core.fsdp.profiles", fromlist=["torch_version"]).torch_version() < (2, 15),
     reason="torch 2.15 semantics: reduce_dtype=None reduces in the parameter dtype; mixed gradient dtypes",
 )
 def test_torch_2_15_gradient_dtypes_are_served_exactly():
@@ -245,7 +245,7 @@ def test_served_groups_never_run_copy_out_or_chunk_cat():
     print("\n" + report)
     # The check can fail: stock copies out and copies in (2.15 copies gradients in through
     # fsdp::chunk_cat_mixed_dtype).
-    from tide_core.fsdp.compat import torch_version
+    from tide_core.fsdp.profiles import torch_version
 
     grad_copy_in = "fsdp::chunk_cat_mixed_dtype" if torch_version() >= (2, 15) else "fsdp::chunk_cat"
     assert {"fsdp::split_with_sizes_copy", grad_copy_in} <= set(stock_ops)
@@ -354,11 +354,10 @@ def test_sum_slices_are_validated_and_rounded():
 
     with pytest.raises(ValueError, match="sum_slice_mib=-1 must be >= 0"):
         TIDEConfig(sum_slice_mib=-1)
-    from tide_core.fsdp.options import cuda_options
 
-    assert cuda_options(TIDEConfig(sum_slice_mib=0)).sum_slice_bytes == 0
-    assert cuda_options(TIDEConfig(sum_slice_mib=1.0001)).sum_slice_bytes == 1 << 20  # whole KiB
-    assert cuda_options(TIDEConfig(sum_slice_mib=1e-6)).sum_slice_bytes == 1024
+    assert TIDEConfig(sum_slice_mib=0).cuda_options().sum_slice_bytes == 0
+    assert TIDEConfig(sum_slice_mib=1.0001).cuda_options().sum_slice_bytes == 1 << 20  # whole KiB
+    assert TIDEConfig(sum_slice_mib=1e-6).cuda_options().sum_slice_bytes == 1024
 
 
 def test_install_requires_an_fsdp_model():
@@ -402,3 +401,26 @@ def test_keep_unsharded_storage_gets_dedicated_stable_landings():
     served, placements, diff, same_losses, stable = run_distributed(_keep_unsharded_storage, 2, timeout=180)[0]
     assert served == 5 and placements == ["dedicated landing"]  # never a ring slot nobody releases
     assert diff == 0.0 and same_losses and stable
+
+
+def _profiled_step(rank, world_size):
+    import tide_core
+
+    model = build()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tide_core.install(model, transport="reference")
+        loss_fn(model, batches(rank, 1)[0]).backward()
+    counts = {}
+    for event in prof.events():
+        if event.name.startswith("TIDE::"):
+            counts[event.name] = counts.get(event.name, 0) + 1
+    return counts, len(tide_core.install(model).served_groups)  # installed: returns the handle
+
+
+def test_profiler_traces_show_tides_phases():
+    for counts, served in run_distributed(_profiled_step, 2, timeout=90):
+        # One install; every served group all-gathered (forward, and again in backward after its
+        # reshard) and reduce-scattered once.
+        assert counts.get("TIDE::install") == 1, counts
+        assert counts.get("TIDE::all_gather", 0) >= served > 0, counts
+        assert counts.get("TIDE::reduce_scatter") == served, counts

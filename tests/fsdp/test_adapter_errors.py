@@ -77,3 +77,94 @@ def test_uninstall_after_a_no_grad_forward_says_how():
     for r in run_distributed(_uninstall_after_no_grad_forward, 2, timeout=90):
         assert r["message"] is not None and "<root>" in r["message"] and "call model.reshard() first" in r["message"]
         assert r["still_served"] and r["after"] is None
+
+
+def test_install_inside_a_torch_func_transform_says_what_to_do():
+    import tide_core
+    from tide_core.errors import TIDEError
+
+    model = torch.nn.Linear(3, 3)
+
+    def forward_that_installs(x):
+        tide_core.install(model)
+        return model(x)
+
+    x = torch.randn(2, 3)
+    try:
+        torch.func.jvp(forward_that_installs, (x,), (torch.ones_like(x),))
+        raised = None
+    except TIDEError as exc:
+        raised = str(exc)
+    assert raised is not None and "inside a torch.func transform" in raised
+    assert "after fully_shard and before the transformed call" in raised
+
+
+class _Adapted(torch.nn.Module):
+    """A frozen bf16 base layer with a trainable fp32 adapter beside it (LoRA's shape)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.base = torch.nn.Linear(dim, dim).to(torch.bfloat16).requires_grad_(False)
+        self.adapter = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return self.base(x.to(torch.bfloat16)).float() + self.adapter(x)
+
+
+class _AdaptedLM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(11, 6).requires_grad_(False)
+        self.block = _Adapted(6)
+        self.norm = torch.nn.LayerNorm(6).requires_grad_(False)
+        self.head = torch.nn.Linear(6, 11).requires_grad_(False)
+
+    def forward(self, tokens):
+        return self.head(self.norm(self.block(self.embed(tokens))))
+
+
+def _report_of_mixed_and_frozen_groups(rank, world_size):
+    """Mixed dtypes in a block, a frozen root group, and a frozen group of two modules."""
+    from torch.distributed.fsdp import fully_shard
+
+    import tide_core
+
+    torch.manual_seed(0)
+    model = _AdaptedLM()
+    fully_shard(model.block)
+    fully_shard([model.norm, model.head])
+    fully_shard(model)
+    handle = tide_core.install(model, transport="reference")
+    model(torch.randint(0, 11, (2, 5))).square().mean().backward()  # both kinds of group train
+    return handle.report(), [(e.name, e.dtype, e.trainable, e.active) for e in handle.entries]
+
+
+def test_report_names_groups_by_their_modules_and_shows_mixed_dtypes():
+    report, entries = run_distributed(_report_of_mixed_and_frozen_groups, 2, timeout=90)[0]
+    assert ("block", "bfloat16+float32", True, True) in entries, entries
+    assert ("norm, head", "float32", False, True) in entries, entries
+    assert ("<root>", "float32", False, True) in entries, entries
+    assert report.count("all-gather only (no trainable parameter, nothing to reduce)") == 2, report
+    assert "bfloat16+float32" in report and "stock:" not in report, report
+
+
+def _cast_after_install(rank, world_size):
+    import tide_core
+    from tests.fsdp.test_adapter import build
+
+    torch.manual_seed(0)
+    model, stock = build(), build()
+    handle = tide_core.install(model, transport="reference")
+    model.to(torch.bfloat16)  # after install: FSDP2 now all-gathers bf16, install planned fp32
+    stock.to(torch.bfloat16)
+    losses = []
+    for net in (model, stock):
+        losses.append(loss_fn(net, torch.randint(0, 37, (2, 9), generator=torch.Generator().manual_seed(rank))))
+        losses[-1].backward()
+    return [e.reason for e in handle.entries], (losses[0] - losses[1]).abs().item()
+
+
+def test_a_cast_after_install_hands_the_groups_to_stock_with_the_reason():
+    for reasons, diff in run_distributed(_cast_after_install, 2, timeout=90):
+        assert reasons and all(r and "parameters cast after install" in r for r in reasons), reasons
+        assert diff == 0.0

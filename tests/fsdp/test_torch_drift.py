@@ -1,4 +1,4 @@
-"""Drift tests: the FSDP2 internals TIDE touches still look and behave as ``compat.PROFILES`` says.
+"""Drift tests: the FSDP2 internals TIDE touches still look and behave as ``profiles.PROFILES`` says.
 
 Each test runs against the installed torch (CI runs them on the oldest and the newest supported
 version). An upstream change to a signature TIDE patches, an attribute it reads, or the behaviour
@@ -20,13 +20,20 @@ import torch.distributed as dist
 from tests.fsdp.models import loss_fn
 from tests.fsdp.test_adapter import batches, build
 from tests.support.dist import run_distributed
-from tide_core.fsdp import compat
+from tide_core.fsdp import accessors, landing, profiles
+from tide_core.fsdp.calls import ReduceOutcome
+from tide_core.fsdp.grads import set_sharded_grads
 
 
-def _profile() -> compat.TorchProfile:
-    version = compat.torch_version()
-    assert version in compat.PROFILES, f"torch {torch.__version__} has no TIDE profile"
-    return compat.PROFILES[version]
+def _reduce_arity(profile: profiles.TorchProfile) -> int:
+    """How many values the profile's ``foreach_reduce`` result has."""
+    return len(profile.reduce_result(ReduceOutcome(*range(7), hook_input=None, hook_event=None)))
+
+
+def _profile() -> profiles.TorchProfile:
+    version = profiles.torch_version()
+    assert version in profiles.PROFILES, f"torch {torch.__version__} has no TIDE profile"
+    return profiles.PROFILES[version]
 
 
 def _modules():
@@ -36,7 +43,7 @@ def _modules():
 
 
 def test_installed_torch_is_known_and_probes_clean():
-    internals, reason = compat.probe()
+    internals, reason = profiles.probe()
     assert reason is None and internals is not None
     assert internals.profile is _profile()
 
@@ -74,8 +81,8 @@ def test_reduce_return_arity_matches_the_profile():
     annotation = str(inspect.signature(collectives.foreach_reduce).return_annotation)
     inner = annotation[annotation.index("[") + 1 : annotation.rindex("]")]  # flat: "Tensor, Event, X | None, ..."
     entries = [e for e in inner.split(",") if e.strip()]
-    assert len(entries) == (7 if _profile().reduce_returns_stream else 6), annotation
-    assert ("torch.Stream" in annotation) == _profile().reduce_returns_stream
+    assert len(entries) == _reduce_arity(_profile()), annotation
+    assert ("torch.Stream" in annotation) == (_reduce_arity(_profile()) == 7)
 
 
 def test_helpers_tide_calls_keep_their_signatures():
@@ -97,7 +104,7 @@ def test_helpers_tide_calls_keep_their_signatures():
         "factor",
         "force_sum_reduction_for_comms",
     ]
-    for name in compat.FSDP_PARAM_METHODS:
+    for name in profiles.FSDP_PARAM_METHODS:
         assert callable(getattr(fsdp_param.FSDPParam, name)), name
     for name in ("free_unsharded_param", "alloc_all_gather_outputs", "init_unsharded_param"):
         assert list(inspect.signature(getattr(fsdp_param.FSDPParam, name)).parameters) == ["self"], name
@@ -106,16 +113,16 @@ def test_helpers_tide_calls_keep_their_signatures():
 
 def test_unknown_torch_falls_back_and_warns_once_naming_the_tested_versions(monkeypatch, caplog):
     monkeypatch.setattr(torch, "__version__", "9.1.0")
-    monkeypatch.setattr(compat, "_warned_unknown", set())
+    monkeypatch.setattr(profiles, "_warned_unknown", set())
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="tide"):
         warnings.simplefilter("always")
-        first = compat.probe()
-        second = compat.probe()
+        first = profiles.probe()
+        second = profiles.probe()
     assert first == second == (None, first[1])
     assert "torch 9.1.0 is not a version TIDE knows" in first[1]
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages  # once per process, however many installs
-    tested = ", ".join(f"{v[0]}.{v[1]}" for v in compat.SUPPORTED_VERSIONS)
+    tested = ", ".join(f"{v[0]}.{v[1]}" for v in profiles.SUPPORTED_VERSIONS)
     assert f"tested on torch {tested}" in messages[0]
     assert sum("tested on torch" in r.getMessage() for r in caplog.records) == 1
 
@@ -125,14 +132,14 @@ def test_unknown_torch_falls_back_and_warns_once_naming_the_tested_versions(monk
 
 def _group_attributes(rank, world_size):
     model = build()
-    found = compat.fsdp_param_groups(model)
+    found = accessors.fsdp_param_groups(model)
     missing = []
     for name, pg, _ in found:
-        missing += [f"{name}: group.{a}" for a in compat.FSDP_PARAM_GROUP_ATTRIBUTES if not hasattr(pg, a)]
+        missing += [f"{name}: group.{a}" for a in profiles.FSDP_PARAM_GROUP_ATTRIBUTES if not hasattr(pg, a)]
         for fp in pg.fsdp_params:
-            missing += [f"{name}: param.{a}" for a in compat.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
+            missing += [f"{name}: param.{a}" for a in profiles.FSDP_PARAM_ATTRIBUTES if not hasattr(fp, a)]
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
-    reasons = {name: compat.ineligible(pg, names) for name, pg, _ in found}
+    reasons = {name: accessors.ineligible(pg, names) for name, pg, _ in found}
     group_attr = "_fsdp_param_group" if _profile().single_param_group else "_fsdp_param_groups"
     missing += [
         f"state.{group_attr}"
@@ -176,7 +183,7 @@ def _lookups_and_landing_contract(rank, world_size):
     for name in originals:
         setattr(param_group_module, name, counting(name))
     model = build()
-    groups = [pg for _, pg, _ in compat.fsdp_param_groups(model)]
+    groups = [pg for _, pg, _ in accessors.fsdp_param_groups(model)]
     block = groups[1]
     if _profile().copy_out_hook:
 
@@ -229,7 +236,7 @@ def _reduce_tail(rank, world_size, mp):
     from torch.distributed.tensor import DTensor
 
     _, _, param_group_module = _modules()
-    internals, reason = compat.probe()
+    internals, reason = profiles.probe()
     assert reason is None
     original = param_group_module.foreach_reduce
     records = []
@@ -256,7 +263,7 @@ def _reduce_tail(rank, world_size, mp):
     problems = []
     stock_hook_counts = set(hook_calls.values())
     for fsdp_params, grads, orig_dtype, result in records:
-        problems += [] if len(result) == (7 if internals.profile.reduce_returns_stream else 6) else ["arity"]
+        problems += [] if len(result) == _reduce_arity(internals.profile) else ["arity"]
         # Independent reference: the mean over ranks of the unsharded gradients, this rank's
         # dim-0 chunk (padded), in fp32.
         summed = []
@@ -264,10 +271,9 @@ def _reduce_tail(rank, world_size, mp):
             total = g.float().clone()
             dist.all_reduce(total)
             summed.append(total / world_size)
-        ok, out_dtype = compat.grad_dtype(internals, fsdp_params, orig_dtype)
-        problems += [] if ok else ["grad dtypes disagree"]
+        out_dtypes = internals.profile.cast_dtypes({"fsdp_params": fsdp_params, "orig_dtype": orig_dtype})
         offsets, offset, bases = [], 0, set()
-        for fp, ref in zip(fsdp_params, summed):
+        for fp, ref, out_dtype in zip(fsdp_params, summed, out_dtypes):
             grad = fp.sharded_param.grad
             if not isinstance(grad, DTensor):
                 problems.append(f"{fp._param_fqn}: grad is {type(grad)}")
@@ -298,7 +304,7 @@ def _reduce_tail(rank, world_size, mp):
         packed = (base if base is not None else stock[0]._local_tensor).detach().clone()
         for fp in fsdp_params:
             fp.sharded_param.grad = None
-        compat.set_sharded_grads(fsdp_params, packed, offsets, None, accumulated=False)
+        set_sharded_grads(fsdp_params, packed, offsets, [None] * len(fsdp_params), accumulated=False)
         for fp, s in zip(fsdp_params, stock):
             g = fp.sharded_param.grad
             if (
@@ -324,11 +330,11 @@ def test_foreach_reduce_tail_is_what_tide_re_implements(mp):
 
 def _accumulation(rank, world_size):
     """Without zero_grad, stock adds into the existing sharded gradient in place, keeping the packed
-    buffer TIDE's in-place accumulation writes into (compat.packed_sharded_grad_base)."""
+    buffer TIDE's in-place accumulation writes into (accessors.packed_sharded_grad_base)."""
     model = build()
     data = batches(rank, 2)
     loss_fn(model, data[0]).backward()
-    groups = [pg for _, pg, _ in compat.fsdp_param_groups(model)]
+    groups = [pg for _, pg, _ in accessors.fsdp_param_groups(model)]
     firsts, bases = [], []
     for pg in groups:
         fps = pg.fsdp_params
@@ -336,12 +342,12 @@ def _accumulation(rank, world_size):
         for fp in fps[:-1]:
             offsets.append(offsets[-1] + fp.padded_sharded_param_size.numel())
         total = offsets[-1] + fps[-1].padded_sharded_param_size.numel()
-        bases.append(compat.packed_sharded_grad_base(fps, offsets, total))
+        bases.append(accessors.packed_sharded_grad_base(fps, offsets, total))
         firsts.append([fp.sharded_param.grad._local_tensor.clone() for fp in fps])
     loss_fn(model, data[1]).backward()
     same_base = all(
         b is not None
-        and compat.packed_sharded_grad_base(
+        and accessors.packed_sharded_grad_base(
             pg.fsdp_params,
             [fp.sharded_param.grad._local_tensor.storage_offset() - b.storage_offset() for fp in pg.fsdp_params],
             b.numel(),
@@ -377,21 +383,23 @@ def _install_touches(rank, world_size):
         del os.environ["TIDE_MAX_PARAMS"]
     replaced = sorted(n for n in names if getattr(param_group_module, n) is not getattr(collectives, n))
     hooks = {
-        e.name: getattr(pg, "_all_gather_output_fn", None) is compat._tide_all_gather_output_fn
-        for e, (_, pg, _) in zip(handle.entries, compat.fsdp_param_groups(model))
+        e.name: getattr(pg, "_all_gather_output_fn", None) is landing.tide_all_gather_output_fn
+        for e, (_, pg, _) in zip(handle.entries, accessors.fsdp_param_groups(model))
     }
-    stashed = sum("_tide_group" in fp.__dict__ for _, pg, _ in compat.fsdp_param_groups(model) for fp in pg.fsdp_params)
+    stashed = sum(
+        "_tide_group" in fp.__dict__ for _, pg, _ in accessors.fsdp_param_groups(model) for fp in pg.fsdp_params
+    )
     loss_fn(model, batches(rank, 1)[0]).backward()
     tide_core.uninstall(model)
     restored = all(getattr(param_group_module, n) is getattr(collectives, n) for n in names)
     hooks_after = [
         getattr(pg, "_all_gather_output_fn", collectives.__dict__.get("_default_all_gather_output_fn"))
         is collectives.__dict__.get("_default_all_gather_output_fn")
-        for _, pg, _ in compat.fsdp_param_groups(model)
+        for _, pg, _ in accessors.fsdp_param_groups(model)
     ]
     left = sum(
         any(k in fp.__dict__ for k in ("_tide_group", "alloc_all_gather_outputs", "free_unsharded_param"))
-        for _, pg, _ in compat.fsdp_param_groups(model)
+        for _, pg, _ in accessors.fsdp_param_groups(model)
         for fp in pg.fsdp_params
     )
     return replaced, hooks, stashed, restored, all(hooks_after), left

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from tide_core.runtime.device import check_copy_args, check_sum_args
 from tide_core.runtime.program import CALLER, ProgramRecorder, ReplayedProgram
 
 _WORD = ctypes.c_uint32
@@ -158,6 +159,7 @@ class EmulatedDevice:
         stream.submit(run)
 
     def copy_batch(self, stream, dsts, srcs, sizes):
+        check_copy_args("memcpy_batch", dsts, srcs, sizes)  # what CudaDevice checks
         self._copies(stream, dsts, srcs, sizes, self.push_delay_s)
 
     def copy_2d(self, stream, dst, dpitch, src, spitch, width, height):
@@ -171,6 +173,7 @@ class EmulatedDevice:
         stream.submit(run)
 
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
+        check_copy_args("copy", dsts, srcs, sizes)
         self._copies(stream, dsts, srcs, sizes, self.copy_delay_s)  # a kernel: not slowed like the copy engines
 
     def host_step(self, stream, step):
@@ -232,6 +235,7 @@ class EmulatedDevice:
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas):
         staged, segments = list(staged), list(segments)
+        check_sum_args(out, staged, segments, first, dtype, self.max_sources, self.max_segments)
 
         def read(address, n):
             if n == 0:
@@ -282,6 +286,8 @@ class EmulatedNativeLib:
     the emulated streams and events themselves."""
 
     CALLER_STREAM = "caller stream handle"
+    MAX_SOURCES = EmulatedDevice.max_sources
+    MAX_SEGMENTS = EmulatedDevice.max_segments
 
     def __init__(self, device: EmulatedDevice):
         self.device = device

@@ -18,7 +18,6 @@ from tests.transport.cases import (
 )
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
-from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology
 from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 
@@ -224,16 +223,14 @@ def _rail_suite(rank, world_size, seed, mode, rail="p2p", register=False):
     topo = Topology(world_size, 1)
     t = CudaTransport(
         topo,
-        options=cuda_options(
-            TIDEConfig(
-                timeout_s=60,
-                rail=rail,
-                mode=mode,
-                chunk_mib=0.25,
-                sum_slice_mib=0.0625,
-                register_rail_buffers=register,
-            )
-        ),
+        options=TIDEConfig(
+            timeout_s=60,
+            rail=rail,
+            mode=mode,
+            chunk_mib=0.25,
+            sum_slice_mib=0.0625,
+            register_rail_buffers=register,
+        ).cuda_options(),
     )  # pieces and landing slices
     if register:
         assert t.registration.registered, t.registration.reason

@@ -21,7 +21,6 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
-from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology, latin_square_plan
 from tide_core.plan.memory import staging_area_blocks
 from tide_core.transport.cuda import CudaTransport
@@ -46,7 +45,7 @@ def _transport(
     t = CudaTransport(
         topo,
         None,
-        options=cuda_options(config),
+        options=config.cuda_options(),
         device=torch.device("cpu"),
         backend=dev,
         allocator=alloc,

@@ -22,7 +22,6 @@ from tests.support.emulated_device import EmulatedDevice, shared_memory_allocato
 from tests.transport.cases import all_grads, all_shards, layout_for, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
-from tide_core.fsdp.options import cuda_options
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaTransport
 from tide_core.transport.dist_rail import DistRail
@@ -50,7 +49,7 @@ def _transport(
     replayed operation by operation."""
     dev = EmulatedDevice(copy_delay_s=copy_delay_s, sum_delay_s=sum_delay_s, segmented=segmented)
     alloc = _node_only(shared_memory_allocator(dist.group.WORLD, tag), topo, dist.get_rank())
-    options = cuda_options(TIDEConfig(timeout_s=timeout_s, rail="nccl", **config))
+    options = TIDEConfig(timeout_s=timeout_s, rail="nccl", **config).cuda_options()
     t = CudaTransport(
         topo,
         None,
@@ -130,6 +129,7 @@ def _registration_requested(rank, world_size, tag):
     try:
         return t.registration.registered, t.describe()[-1]
     finally:
+        dist.barrier()  # no rank ends (taking the store with it) while another still starts its heartbeat
         shut_down(dev, alloc)
 
 

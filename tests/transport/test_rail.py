@@ -1,5 +1,5 @@
-"""Rail transport selection, the nccl_rma availability probe, the p2p rail's signal words and the
-nccl rail's recorded exchanges."""
+"""Rail transport selection (one place: choose_rail), the p2p rail's signal words and the nccl rail's
+recorded exchanges."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from tide_core.runtime.arena import Segment
 from tide_core.runtime.program import ProgramRecorder
 from tide_core.transport import cuda_unavailable_reason, make_transport
 from tide_core.transport.cuda.options import CudaOptions
-from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, make_rail, nccl_rma_unavailable_reason
+from tide_core.transport.rail import FLAG_LINE, P2PRail, _version_tuple, choose_rail, make_rail
 
 
 class _FakeSegment(Segment):
@@ -30,10 +30,13 @@ def test_nccl_version_codes_decode():
     assert _version_tuple(2708) == (2, 7, 8)
 
 
-def test_nccl_rma_is_refused_below_2_29_with_the_reason():
-    reason = nccl_rma_unavailable_reason((2, 28, 9))
-    assert "NCCL 2.28.9 < 2.29.0" in reason and "ncclPutSignal" in reason
-    assert "not built" in nccl_rma_unavailable_reason((2, 29, 0), library="")
+def test_one_place_chooses_the_rail():
+    assert choose_rail("auto", single_host=True) == "p2p" and choose_rail("auto", single_host=False) == "nccl"
+    assert choose_rail("nccl", single_host=True) == "nccl" and choose_rail("p2p", single_host=True) == "p2p"
+    with pytest.raises(TransportError, match="one host"):
+        choose_rail("p2p", single_host=False)
+    with pytest.raises(ValueError, match="rail='nccl_rma' is not supported"):  # not built: not offered
+        choose_rail("nccl_rma", single_host=True)
 
 
 def test_rail_selection():
@@ -42,8 +45,6 @@ def test_rail_selection():
     assert isinstance(make_rail("auto", topo, 0, flags, 6, single_host=True), P2PRail)
     with pytest.raises(TransportError, match="one host"):
         make_rail("p2p", topo, 0, flags, 6, single_host=False)
-    with pytest.raises(TransportError, match="nccl_rma"):
-        make_rail("nccl_rma", topo, 0, flags, 6, single_host=True)
     # across hosts "auto" is the nccl rail, which runs on the transport's rail process group
     with pytest.raises(TransportError, match="rail='nccl' needs the group's topology process groups"):
         make_rail("auto", topo, 0, flags, 6, single_host=False)
@@ -64,18 +65,19 @@ def test_cuda_transport_serves_emulated_nodes_on_one_host_only():
         pytest.skip("tide_core._C is not built here")
     cuda = torch.device("cuda", 0)
     assert cuda_unavailable_reason(topo, cuda, single_host=True) is None  # p2p rail
-    # across hosts "auto" serves the group over the nccl rail; p2p and nccl_rma cannot
+    # across hosts "auto" serves the group over the nccl rail; p2p cannot
     across_hosts = cuda_unavailable_reason(topo, cuda, single_host=False)
     if torch.distributed.is_nccl_available():
         assert across_hosts is None
     else:  # a CPU build of torch
         assert across_hosts == "2 nodes: the 'nccl' rail needs torch.distributed with NCCL"
-    assert "rail='p2p' needs one host" in cuda_unavailable_reason(topo, cuda, single_host=False, rail="p2p")
-    assert "nccl_rma" in cuda_unavailable_reason(topo, cuda, single_host=True, rail="nccl_rma")
+    assert "rail='p2p' needs every rank of the group on one host" in cuda_unavailable_reason(
+        topo, cuda, single_host=False, rail="p2p"
+    )
     # a rail that cannot serve leaves the group to stock collectives (the adapter turns this error
     # into the group's fallback reason)
-    with pytest.raises(TIDEError, match="nccl_rma.*stock collectives serve this group"):
-        make_transport("auto", topo, None, device=cuda, single_host=True, options=CudaOptions(rail="nccl_rma"))
+    with pytest.raises(TIDEError, match="rail='p2p' needs every rank.*stock collectives serve this group"):
+        make_transport("auto", topo, None, device=cuda, single_host=False, options=CudaOptions(rail="p2p"))
 
 
 def test_p2p_rail_signals_the_peers_word_for_this_sender_and_waits_on_its_own():

@@ -23,7 +23,6 @@ from tide_core.bench.common import default_results_dir, launch, write_result
 
 def _transport(world_size: int, nodes: int = 1, **overrides):
     from tide_core.config import TIDEConfig
-    from tide_core.fsdp.options import cuda_options
     from tide_core.plan import Topology
     from tide_core.runtime.groups import group_device
     from tide_core.transport import make_transport
@@ -36,7 +35,7 @@ def _transport(world_size: int, nodes: int = 1, **overrides):
         Topology(nodes, world_size // nodes),
         None,
         device=group_device(),
-        options=cuda_options(config),
+        options=config.cuda_options(),
         validate_calls=config.validate_calls,
     )
 

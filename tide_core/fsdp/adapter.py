@@ -4,9 +4,10 @@
     print(handle.report())
     tide_core.uninstall(model)
 
-FSDP2's collectives are routed to TIDE for served groups and to stock for everything else
-through ``tide_core.fsdp.compat``, the one module that touches FSDP2's private names (per torch
-version: docs/torch-compat.md). Groups outside the contract
+FSDP2's collectives are routed to TIDE for served groups and to stock for everything else by
+``tide_core.fsdp.dispatch``; FSDP2's private names are touched only in this package (``profiles``:
+per torch version, docs/torch-accessors.md; ``accessors``: what is read; ``landing``: what is written).
+Groups outside the contract
 fall back to stock collectives with a logged reason; ranks that disagree on the configuration or
 the groups abort on every rank with a message naming the difference. Installing twice is a no-op.
 """
@@ -23,15 +24,21 @@ import torch.nn as nn
 
 from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
-from tide_core.fsdp import compat
-from tide_core.fsdp.group import SlotRing, TideGroup
-from tide_core.fsdp.options import cuda_options
+from tide_core.fsdp import accessors, dispatch
+from tide_core.fsdp.group import ServedGroup, SlotRing
+from tide_core.fsdp.landing import mark_served, unmark_served
+from tide_core.fsdp.profiles import probe
 from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
 from tide_core.runtime.groups import check_agreement, handshake, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
 
 log = logging.getLogger("tide")
+
+#: Parameter and gradient dtypes TIDE serves (gradients are summed in fp32).
+SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: What else a group may all-gather (moved as bytes; never reduced): frozen integer or fp64 parameters.
+GATHERED_ONLY_DTYPES = (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
 
 _HANDLE_ATTR = "_tide_handle"
 
@@ -42,9 +49,10 @@ class GroupEntry:
     name: str
     num_params: int
     shard_bytes: int
-    dtype: str
-    served: TideGroup | None
+    dtype: str  # the all-gather dtype, or the dtypes joined by "+" when parameters differ
+    served: ServedGroup | None
     install_reason: str | None  # why install left the group on stock collectives
+    trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
 
     @property
     def active(self) -> bool:
@@ -73,7 +81,7 @@ class TIDEHandle:
         self.rings = rings
 
     @property
-    def served_groups(self) -> list[TideGroup]:
+    def served_groups(self) -> list[ServedGroup]:
         return [e.served for e in self.entries if e.active]
 
     @property
@@ -128,12 +136,19 @@ class TIDEHandle:
         for t in self.transports.values():
             summary, *details = t.describe()
             lines += [f"  transport: {summary}"] + [f"    {line}" for line in details]
-        lines.append(f"  {'#':>3} {'group':<32} {'P':>4} {'S/rank':>11} {'dtype':<9} status")
+        name_width = max([5] + [len(e.name) for e in self.entries])
+        dtype_width = max([5] + [len(e.dtype) for e in self.entries])
+        lines.append(f"  {'#':>3} {'group':<{name_width}} {'P':>4} {'S/rank':>11} {'dtype':<{dtype_width}} status")
         for e in self.entries:
-            status = f"TIDE, {e.served.placement}" if e.active else f"stock: {e.reason}"
+            if e.active:
+                status = f"TIDE, {e.served.placement}"
+                if not e.trainable:
+                    status += "; all-gather only (no trainable parameter, nothing to reduce)"
+            else:
+                status = f"stock: {e.reason}"
             lines.append(
-                f"  {e.index:>3} {e.name[:32]:<32} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
-                f"{e.dtype:<9} {status}"
+                f"  {e.index:>3} {e.name:<{name_width}} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
+                f"{e.dtype:<{dtype_width}} {status}"
             )
         mem = self.memory()
         lines.append(
@@ -154,47 +169,50 @@ class TIDEHandle:
 # -- group discovery and eligibility ------------------------------------------------------------
 
 
-def _ring_eligible(pg, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool:
+def _ring_eligible(param_group, module: nn.Module, fsdp_modules: list[nn.Module]) -> bool:
     """Leaf groups that reshard after forward share the 2-slot ring. Roots (live through the whole
     step), groups with FSDP2 children (live while their children run), groups of several modules
     (``fully_shard([a, b])``: live from a's forward to b's, e.g. tied embedding and output around
     every layer) and groups kept unsharded after forward get dedicated landings."""
-    if not compat.reshards_after_forward(pg) or compat.module_count(pg) > 1:
+    if not accessors.reshards_after_forward(param_group) or accessors.module_count(param_group) > 1:
         return False
     has_child = any(other is not module and any(m is other for m in module.modules()) for other in fsdp_modules)
     has_parent = any(other is not module and any(m is module for m in other.modules()) for other in fsdp_modules)
     return has_parent and not has_child
 
 
-def _ineligible(pg, config: TIDEConfig, names: dict[int, str]) -> str | None:
+def _ineligible(param_group, config: TIDEConfig, names: dict[int, str]) -> str | None:
     """Why a group cannot be served (None: it can). ``names``: id(sharded parameter) -> its name."""
-    num_params = len(compat.fsdp_params(pg))
+    num_params = len(accessors.fsdp_params(param_group))
     if num_params > config.max_params:
         return f"{num_params} parameters > max_params={config.max_params}"
-    reason = compat.ineligible(pg, names)
+    reason = accessors.ineligible(param_group, names)
     if reason is not None:
         return reason
-    dtype = compat.all_gather_dtype(pg)
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"unsupported dtype {dtype}"
-    reduce_dtype = compat.reduce_dtype(pg)
-    if reduce_dtype != torch.float32 and not config.fp32_reduce:
-        return (
-            f"FSDP2 reduces gradients in {reduce_dtype}, TIDE sums in fp32 (set fp32_reduce=True to "
-            "serve it with fp32 sums)"
-        )
-    if compat.shard_process_group(pg).size() == 1:
+    for dtype in sorted(set(accessors.all_gather_dtypes(param_group)), key=str):
+        if dtype not in SERVED_DTYPES + GATHERED_ONLY_DTYPES:
+            return f"unsupported dtype {dtype}"
+    ranks = accessors.shard_process_group(param_group).size()
+    if ranks == 1:
         return "shard group has one rank: nothing to gather"
-    return point_to_point_unavailable_reason(compat.shard_process_group(pg))
+    reduce_dtype = accessors.reduce_dtype(param_group)  # None: nothing is reduced
+    if reduce_dtype is not None and reduce_dtype not in SERVED_DTYPES:
+        return f"unsupported reduce dtype {reduce_dtype}"
+    if reduce_dtype in (torch.bfloat16, torch.float16) and config.exact_stock_sums and ranks > 2:
+        return (
+            f"FSDP2 reduces gradients in {reduce_dtype} over {ranks} ranks and exact_stock_sums=True keeps "
+            "stock's rounding (TIDE rounds its fp32 sum once; with two ranks that is stock's result)"
+        )
+    return point_to_point_unavailable_reason(accessors.shard_process_group(param_group))
 
 
-def _topology(pg_dist, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
-    size = pg_dist.size()
+def _topology(process_group, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
+    size = process_group.size()
     if config.gpus_per_node is not None:
         if size % config.gpus_per_node:
             return None, f"gpus_per_node={config.gpus_per_node} does not divide the shard group size {size}"
         return Topology.from_world_size(size, config.gpus_per_node), None
-    ranks = dist.get_process_group_ranks(pg_dist)
+    ranks = dist.get_process_group_ranks(process_group)
     names = [hosts[r] for r in ranks]
     L = names.count(names[0])
     if size % L or any(names[i] != names[(i // L) * L] for i in range(size)) or len(set(names)) != size // L:
@@ -220,6 +238,18 @@ def install(
     if existing is not None:
         return existing
     config = TIDEConfig.from_env(config, mode=mode, transport=transport, **options)
+    with torch.profiler.record_function("TIDE::install"):
+        return _install(model, config)
+
+
+def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
+    if accessors.inside_functorch_transform():
+        raise TIDEError(
+            "tide_core.install was called inside a torch.func transform (jvp, vmap, grad), e.g. from a "
+            "model's first forward run under torch.func.jvp: install exchanges tensors between ranks, "
+            "which a transform's wrapped tensors cannot do. Call tide_core.install(model) on every rank "
+            "after fully_shard and before the transformed call"
+        )
     if not dist.is_initialized():
         raise TIDEError("tide_core.install needs torch.distributed to be initialized (it is collective)")
     if not any(_is_fsdp(m) for m in model.modules()):
@@ -228,8 +258,9 @@ def install(
     # collective meets a named error, not a size mismatch that aborts the process inside gloo.
     if dist.get_world_size() > 1:
         handshake("tide_core.install", None, config.timeout_s)
-    found = compat.fsdp_param_groups(model)
-    internals, unsupported = compat.probe()
+    found = accessors.fsdp_param_groups(model)
+    # Switched off: every group is reported on stock collectives and nothing is patched.
+    internals, unsupported = probe() if config.enabled else (None, "TIDE is switched off (enabled=False)")
 
     hosts: list = [socket.gethostname()] * dist.get_world_size()
     if dist.get_world_size() > 1:  # one process: nothing to agree on, no collective issued
@@ -237,19 +268,27 @@ def install(
     fsdp_modules = [m for _, _, m in found]
     names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     entries, plans = [], []
-    for index, (name, pg, module) in enumerate(found):
-        dtype = compat.all_gather_dtype(pg)
-        shard_bytes = compat.padded_shard_numel(pg) * dtype.itemsize
-        reason = unsupported or _ineligible(pg, config, names)
+    for index, (name, param_group, module) in enumerate(found):
+        dtypes = accessors.all_gather_dtypes(param_group)
+        shard_bytes = sum(n * d.itemsize for n, d in zip(accessors.padded_shard_numels(param_group), dtypes))
+        reason = unsupported or _ineligible(param_group, config, names)
         topo = None
         if reason is None:
-            topo, reason = _topology(compat.shard_process_group(pg), config, hosts)
+            topo, reason = _topology(accessors.shard_process_group(param_group), config, hosts)
+        dtype = "+".join(str(d).replace("torch.", "") for d in sorted(set(dtypes), key=dtypes.index))
         entries.append(
             GroupEntry(
-                index, name, len(compat.fsdp_params(pg)), shard_bytes, str(dtype).replace("torch.", ""), None, reason
+                index,
+                name,
+                len(dtypes),
+                shard_bytes,
+                dtype,
+                None,
+                reason,
+                trainable=bool(accessors.trainable_params(param_group)),
             )
         )
-        plans.append((pg, topo, config.ring and _ring_eligible(pg, module, fsdp_modules)))
+        plans.append((param_group, topo, config.ring and _ring_eligible(param_group, module, fsdp_modules)))
 
     # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
     # different local shapes, and their groups fall back (the reason must agree).
@@ -269,20 +308,20 @@ def install(
     rings: dict = {}
     handle = TIDEHandle(model, config, internals, entries, transports, rings)
     ring_members: dict = {}
-    for entry, (pg, topo, ring_ok) in zip(entries, plans):
+    for entry, (param_group, topo, ring_ok) in zip(entries, plans):
         if entry.install_reason is not None:
             continue
-        pg_dist = compat.shard_process_group(pg)
-        key = (id(pg_dist), topo)
+        process_group = accessors.shard_process_group(param_group)
+        key = (id(process_group), topo)
         if key not in transports:
             try:
-                single_host = len({hosts[r] for r in dist.get_process_group_ranks(pg_dist)}) == 1
+                single_host = len({hosts[r] for r in dist.get_process_group_ranks(process_group)}) == 1
                 transports[key] = make_transport(
                     config.transport,
                     topo,
-                    pg_dist,
-                    device=compat.group_device(pg),
-                    options=cuda_options(config),
+                    process_group,
+                    device=accessors.param_group_device(param_group),
+                    options=config.cuda_options(),
                     validate_calls=config.validate_calls,
                     single_host=single_host,
                 )
@@ -290,7 +329,7 @@ def install(
                 if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
                     for served in entries:  # leave the model as install found it
                         if served.served:
-                            compat.unmark_served(internals, served.served.pg)
+                            unmark_served(served.served.param_group)
                     for transport in transports.values():
                         transport.close()
                     raise TIDEError(
@@ -299,10 +338,10 @@ def install(
                     ) from exc
                 entry.install_reason = f"transport unavailable: {exc}"
                 continue
-        group = TideGroup(config, entry.index, entry.name, pg, transports[key], None, internals)
+        group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
-        compat.mark_served(internals, pg, group)
+        mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)
         entry.served = group
     for key, members in ring_members.items():
         # Both ring slots are sized for the largest ring group on this transport.
@@ -313,7 +352,7 @@ def install(
             g.ring = rings[key]
 
     if internals is not None:
-        compat.patch(internals, id(handle))
+        dispatch.patch(internals, id(handle))
     model.__dict__[_HANDLE_ATTR] = handle
     if dist.get_rank() == 0:
         for e in entries:
@@ -344,7 +383,7 @@ def uninstall(model: nn.Module) -> None:
     for group in handle.served_groups:
         group.unbind()
     if handle.internals is not None:
-        compat.unpatch(handle.internals, id(handle))
+        dispatch.unpatch(handle.internals, id(handle))
     del model.__dict__[_HANDLE_ATTR]
 
 

@@ -21,7 +21,10 @@ import torch.distributed as dist
 
 from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
-from tide_core.fsdp import compat
+from tide_core.fsdp import accessors
+from tide_core.fsdp.calls import AllGatherCall, ReduceCall, ReduceOutcome
+from tide_core.fsdp.grads import set_sharded_grads
+from tide_core.fsdp.landing import release_landings, root_landings, unmark_served
 from tide_core.plan import GroupLayout
 from tide_core.runtime.arena import Segment
 
@@ -42,7 +45,7 @@ class SlotRing:
     occupant: list[object | None] = field(default_factory=lambda: [None, None])
     release_event: list[object | None] = field(default_factory=lambda: [None, None])
     next_index: int = 0
-    members: list = field(default_factory=list)  # the TideGroups sharing the two slots
+    members: list = field(default_factory=list)  # the ServedGroups sharing the two slots
 
     def segment(self, q: int) -> Segment:
         if self.segments[q] is None:
@@ -58,23 +61,33 @@ class _ReadHold:
         self.tensors = tensors
 
 
-class TideGroup:
-    def __init__(
-        self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None, internals
-    ):
+class ServedGroup:
+    """One FSDP2 parameter group (``param_group``) served by TIDE over ``transport``. FSDP2's calls
+    reach it as typed requests (``calls``) from ``dispatch``, whatever the torch version."""
+
+    def __init__(self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None):
         self.config = config
         self.index = index
         self.name = name
-        self.pg = param_group
-        self.fsdp_params = compat.fsdp_params(param_group)
+        self.param_group = param_group
+        self.fsdp_params = accessors.fsdp_params(param_group)
         self.transport = transport
         self.ring = ring
-        self.internals = internals
-        self.device = compat.group_device(param_group)
+        self.device = accessors.param_group_device(param_group)
         self.world_size = transport.topology.world_size
-        self.ag_dtype = compat.all_gather_dtype(param_group)
-        shapes = compat.param_shapes(self.fsdp_params)
-        self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=self.ag_dtype.itemsize)
+        self.ag_dtypes = accessors.all_gather_dtypes(param_group)
+        shapes = accessors.param_shapes(self.fsdp_params)
+        # One dtype: the layout in its elements. Several (frozen bf16 weights beside fp32 adapters):
+        # the all-gather moves bytes, every landing aligned for its own dtype; the reduce-scatter
+        # keeps FSDP2's packed fp32 element layout.
+        self.mixed_dtypes = len(set(self.ag_dtypes)) > 1
+        if self.mixed_dtypes:
+            self.layout = GroupLayout.bytes_of(shapes, [d.itemsize for d in self.ag_dtypes], self.world_size)
+            self.reduce_layout = GroupLayout.from_shapes(shapes, world_size=self.world_size)
+        else:
+            itemsize = self.ag_dtypes[0].itemsize
+            self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=itemsize)
+            self.reduce_layout = self.layout
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None
         self.slot: int | None = None  # ring slot index, or None for a dedicated segment
@@ -100,8 +113,8 @@ class TideGroup:
         # next groups gather into it: it gets a dedicated landing.
         if (
             self.ring is not None
-            and compat.reshards_after_backward(self.pg)
-            and not compat.keeps_unsharded_storage(self.pg)
+            and accessors.reshards_after_backward(self.param_group)
+            and not accessors.keeps_unsharded_storage(self.param_group)
         ):
             order = [self.ring.next_index, 1 - self.ring.next_index]
             free = [q for q in order if self.ring.occupant[q] is None]
@@ -115,10 +128,14 @@ class TideGroup:
             self.segment = self.transport.arena.segment(f"group{self.index}", self.layout.group_bytes)
         N = self.world_size
         self.landings = [
-            self.segment.tensor(self.layout.shard_offset(p) * N, self.layout.unsharded_numel(p), self.ag_dtype)
-            for p in range(self.layout.num_params)
+            self.segment.tensor(
+                self.layout.shard_offset(p) * N,
+                self.layout.unsharded_numel(p) * self.layout.itemsize // dtype.itemsize,
+                dtype,
+            )
+            for p, dtype in enumerate(self.ag_dtypes)
         ]
-        compat.root_landings(self.fsdp_params, self.landings, self._released)
+        root_landings(self.fsdp_params, self.landings, self._released)
 
     def _released(self) -> None:
         """FSDPParam.free_unsharded_param for served parameters: a logical free of the slot."""
@@ -129,25 +146,28 @@ class TideGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def planned_dtypes_differ(self, shards) -> bool:
+        """FSDP2 all-gathers other dtypes than install planned (parameters cast after install)."""
+        return [t.dtype for t in shards] != self.ag_dtypes
+
     def stock_gradient_pending(self) -> bool:
         """Before the first TIDE all-gather: FSDP2 holds an unreduced gradient on an unsharded
         parameter it built over its own storage (steps without gradient sync ran on stock
         collectives, e.g. ``unshard()`` before the first forward). Binding would rebuild that
         parameter over the landing and drop the gradient."""
-        return self.landings is None and compat.unsharded_grad_pending(self.fsdp_params)
+        return self.landings is None and accessors.unsharded_grad_pending(self.fsdp_params)
 
     def fall_back(self, reason: str) -> None:
         """Hand the group to stock collectives for good (before it was ever bound); the install
         report then lists it as on stock collectives with ``reason``."""
         self.unbind()
-        compat.unmark_served(self.internals, self.pg)
         self.fallback_reason = reason
         log.warning("TIDE: group %s runs stock collectives from now on: %s", self.name, reason)
 
     def _gather_dropped(self) -> bool:
         """FSDP2 discarded this group's all-gather without unsharding (a prefetch nobody waited
         for, cleared at the end of backward): the landing holds nothing, and no free follows."""
-        return self.live and compat.all_gather_dropped(self.pg)
+        return self.live and accessors.all_gather_dropped(self.param_group)
 
     @property
     def unsharded(self) -> bool:
@@ -161,12 +181,17 @@ class TideGroup:
             self._released()
         if self.live:
             raise TIDEError(f"cannot uninstall TIDE while group {self.name} is unsharded; uninstall between steps")
-        compat.release_landings(self.fsdp_params, rooted=self.landings is not None)
-        compat.unmark_served(self.internals, self.pg)
+        release_landings(self.fsdp_params, rooted=self.landings is not None)
+        unmark_served(self.param_group)
         self.landings = None
 
     # -- all-gather ------------------------------------------------------------------------
-    def all_gather(self, async_op, copy_in_stream, ag_stream):
+    def all_gather(self, call: AllGatherCall):
+        """Land every rank's shards in this group's landings; returns the event FSDP2 waits on."""
+        with torch.profiler.record_function("TIDE::all_gather"):
+            return self._all_gather(call.shards, call.copy_in_stream, call.all_gather_stream)
+
+    def _all_gather(self, shards, copy_in_stream, ag_stream):
         if self.landings is None:
             self._bind()
         if self.slot is not None:
@@ -183,14 +208,18 @@ class TideGroup:
             self.ring.occupant[self.slot] = self
         self.live = True
         dh = self._device_handle
-        with dh.stream(copy_in_stream):
-            shards = compat.all_gather_inputs(self.internals, self.fsdp_params)  # FSDP2's fused cast under MP
-        if shards[0].dtype != self.ag_dtype:
-            raise TIDEError(f"group {self.name}: FSDP2 all-gathers {shards[0].dtype} but TIDE planned {self.ag_dtype}")
+        if self.planned_dtypes_differ(shards):  # after binding the landings cannot change
+            raise TIDEError(
+                f"group {self.name}: FSDP2 all-gathers {[t.dtype for t in shards]} but its landings hold "
+                f"{self.ag_dtypes} (parameter dtypes changed after its first all-gather)"
+            )
         ag_stream.wait_stream(copy_in_stream)
+        wire_shards, outputs = shards, self.landings
+        if self.mixed_dtypes:  # the transport moves bytes
+            wire_shards = [t.view(torch.uint8) for t in shards]
+            outputs = [t.view(torch.uint8) for t in self.landings]
         outputs = [
-            t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p])
-            for p, t in enumerate(self.landings)
+            t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p]) for p, t in enumerate(outputs)
         ]
         with dh.stream(ag_stream):
             if self.slot is not None and self.ring.release_event[self.slot] is not None:
@@ -199,17 +228,17 @@ class TideGroup:
             # version counter around its own copy-out for the same reason.
             timing = self._timing_start(ag_stream)
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
-                work = self.transport.all_gather(self.layout, shards, outputs)
+                work = self.transport.all_gather(self.layout, wire_shards, outputs)
                 if work is not None:
                     work.wait()
             self._timing_end("ag", timing, ag_stream)
             event = ag_stream.record_event()
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
-        return compat.tide_all_gather_result(self.internals, shards, event, self.ag_dtype, self.device)
+        return event
 
     def _conflict_cause(self) -> str:
-        if compat.explicit_prefetch([g.pg for g in self.ring.members]):
+        if accessors.explicit_prefetch([g.param_group for g in self.ring.members]):
             return (
                 "explicit prefetch (set_modules_to_forward/backward_prefetch) of more groups than were "
                 "live when the landings were placed"
@@ -245,59 +274,39 @@ class TideGroup:
         return totals
 
     # -- reduce-scatter --------------------------------------------------------------------
-    def divide(self, rs_group, ar_group, reduce_dtype, divide_factor, force_sum):
-        """(alpha, all-reduce op): FSDP2's pre/post divide, AVG and PREMUL_SUM folded into alpha."""
-        pre, post, rs_op, ar_op = compat.gradient_divide_factors(
-            self.internals, rs_group, ar_group, reduce_dtype, self.device.type, divide_factor, force_sum
-        )
-        if pre is not None or post is not None:
-            return 1.0 / ((pre or 1) * (post or 1)), ar_op
-        if isinstance(rs_op, dist.ReduceOp.RedOpType):
-            if rs_op == dist.ReduceOp.AVG:
-                return 1.0 / rs_group.size(), ar_op
-            if rs_op == dist.ReduceOp.SUM:
-                return 1.0, ar_op
-            raise TIDEError(f"unexpected reduce-scatter op {rs_op}")
-        return 1.0 / float(divide_factor), ar_op  # PREMUL_SUM(1 / factor)
+    def reduce(self, call: ReduceCall) -> ReduceOutcome:
+        """FSDP2's ``foreach_reduce`` for this group. The transport sums in fp32 (alpha folded) into a
+        packed fp32 shard; a bf16/fp16 reduce dtype rounds that once to it (with two ranks exactly
+        stock's ``a + b``), unless ``fp32_reduce`` keeps fp32. Then what FSDP2 does next, in the
+        reduce output's dtype: HSDP partial sums and all-reduce, the hook, the post-divide, the cast
+        to each parameter's gradient dtype and the accumulation."""
+        with torch.profiler.record_function("TIDE::reduce_scatter"):
+            return self._reduce(call)
 
-    def _fused_output(self, fsdp_params, layout: GroupLayout, orig_dtype):
-        """The packed fp32 buffer all existing sharded grads are views of, in layout order, or None."""
-        if orig_dtype not in (None, torch.float32):
-            return None
-        offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
-        return compat.packed_sharded_grad_base(fsdp_params, offsets, layout.total_shard_numel)
-
-    def reduce(
-        self,
-        fsdp_params,
-        unsharded_grads,
-        rs_group,
-        rs_stream,
-        orig_dtype,
-        reduce_dtype,
-        device,
-        divide_factor,
-        ar_group,
-        ar_stream,
-        all_reduce_grads,
-        partial_reduce_output,
-        all_reduce_hook,
-        force_sum,
-    ):
+    def _reduce(self, call: ReduceCall) -> ReduceOutcome:
         dh = self._device_handle
-        grads = list(unsharded_grads)
-        unsharded_grads.clear()
-        reduce_dtype = reduce_dtype or grads[0].dtype
-        if len({g.dtype for g in grads}) > 1:
-            # torch 2.15 hands over gradients of several dtypes (e.g. rms_norm's fp32 weight gradient
-            # next to bf16 ones whose upcast it deferred); its copy-in casts each to the reduce
-            # dtype, and so does this.
+        fsdp_params, reduce_dtype, divide = call.fsdp_params, call.reduce_dtype, call.divide
+        rs_stream, ar_stream, ar_group = call.reduce_scatter_stream, call.all_reduce_stream, call.all_reduce_group
+        grads = autograd_grads = list(call.unsharded_grads)
+        call.unsharded_grads.clear()  # FSDP2's list owns autograd's gradients
+        mixed = len({g.dtype for g in grads}) > 1
+        if mixed or (reduce_dtype != torch.float32 and not self.config.fp32_reduce):
+            # FSDP2's copy-in casts every gradient to the reduce dtype: fp32 gradients under
+            # reduce_dtype=bf16 are rounded before the sum, and so they are here. torch 2.15 also
+            # hands over several dtypes (e.g. rms_norm's fp32 weight gradient next to bf16 ones whose
+            # upcast it deferred), and the transport takes one. 16-bit gradients of an fp32 reduce
+            # need no cast: the transport sums them in fp32 exactly as their upcast would be.
+            # fp32_reduce keeps uniform gradients as they are.
             grads = [g if g.dtype == reduce_dtype else g.to(reduce_dtype) for g in grads]
-        if list(fsdp_params) == self.fsdp_params:
-            layout = self.layout
+        if divide.pre_divide not in (None, 1):
+            # In place on the casts made above; autograd's own gradients are divided into new tensors.
+            pre = divide.pre_divide
+            grads = [g.div_(pre) if g is not mine else g / pre for g, mine in zip(grads, autograd_grads)]
+        if fsdp_params == self.fsdp_params:
+            layout = self.reduce_layout
         else:  # parameters without gradients this step are skipped (2.15: or reordered by dtype), as FSDP2 does
-            layout = GroupLayout.from_shapes(compat.param_shapes(fsdp_params), world_size=self.world_size)
-        alpha, ar_op = self.divide(rs_group, ar_group, reduce_dtype, divide_factor, force_sum)
+            layout = GroupLayout.from_shapes(accessors.param_shapes(fsdp_params), world_size=self.world_size)
+        output_dtype = torch.float32 if self.config.fp32_reduce else reduce_dtype
         current = dh.current_stream()
 
         sources = grads
@@ -306,7 +315,7 @@ class TideGroup:
             and self.landings is not None
             and not self.live  # resharded: the landing is vacated (not so with reshard_after_backward=False)
             and layout is self.layout
-            and grads[0].dtype == self.ag_dtype
+            and grads[0].dtype == self.ag_dtypes[0]
         )
         if slot_source:
             # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
@@ -318,25 +327,33 @@ class TideGroup:
             sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
                 torch._foreach_copy_(sources, grads)
-            grads = None
+            grads = autograd_grads = None
             self.stats["slot_sources"] += 1
-        # Accumulating straight into the existing sharded gradient only matches FSDP2 when the
-        # reduce-scatter output is the final gradient: under HSDP it first goes to the replica
-        # all-reduce (or the partial-reduce buffer), and an all-reduce hook sees this step's sum.
+        # Accumulating straight into the existing sharded gradient only matches FSDP2 when the fp32
+        # sum is the final gradient: not under HSDP (the replica all-reduce, or the partial-reduce
+        # buffer, comes first), with an all-reduce hook (it sees this step's sum), a post-divide, or a
+        # reduce dtype the sum is rounded to first.
         fused = None
-        if ar_group is None and all_reduce_hook is None:
-            fused = self._fused_output(fsdp_params, layout, orig_dtype)
+        if (
+            ar_group is None
+            and call.all_reduce_hook is None
+            and divide.post_divide in (None, 1)
+            and output_dtype == torch.float32
+        ):
+            fused = self._fused_output(fsdp_params, layout, call.cast_dtypes)
         rs_stream.wait_stream(current)
         with dh.stream(rs_stream):
             out = (
                 fused
                 if fused is not None
-                else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=device)
+                else torch.empty(layout.total_shard_numel, dtype=torch.float32, device=call.device)
             )
             timing = self._timing_start(rs_stream)
-            work = self.transport.reduce_scatter(layout, sources, out, alpha=alpha, accumulate=fused is not None)
+            work = self.transport.reduce_scatter(layout, sources, out, alpha=divide.alpha, accumulate=fused is not None)
             if work is not None:
                 work.wait()
+            # One rounding of the fp32 sum to the reduce dtype: with two ranks stock's a + b.
+            reduce_output = out if out.dtype == output_dtype else out.to(output_dtype)
             self._timing_end("rs", timing, rs_stream)
             rs_event = rs_stream.record_event()
         if slot_source and self.slot is not None:
@@ -344,51 +361,55 @@ class TideGroup:
         self.stats["reduce_scatters"] += 1
         self.stats["rs_bytes"] += layout.total_shard_numel * sources[0].element_size() * (self.world_size - 1)
 
+        hold = _ReadHold(sources)
         post_stream = rs_stream
-        all_reduce_input = all_reduce_event = None
-        reduce_output = out
+        all_reduce_input = all_reduce_event = hook_input = hook_event = None
         if ar_group is not None:  # HSDP: the shard-group output goes to FSDP2's replica all-reduce
+            partial = call.partial_reduce_output
             with dh.stream(rs_stream):
-                if not all_reduce_grads:
-                    if partial_reduce_output is not None:
-                        partial_reduce_output += reduce_output
+                if not call.all_reduce_grads:
+                    if partial is not None:
+                        partial += reduce_output
                     else:
-                        partial_reduce_output = reduce_output
-                    return self._result(
-                        _ReadHold(sources),
-                        rs_event,
-                        post_stream,
-                        post_stream.record_event(),
-                        None,
-                        None,
-                        partial_reduce_output,
-                    )
-                if partial_reduce_output is not None:
-                    reduce_output += partial_reduce_output
+                        partial = reduce_output
+                    event = post_stream.record_event()
+                    return ReduceOutcome(hold, rs_event, post_stream, event, None, None, partial, None, None)
+                if partial is not None:
+                    reduce_output += partial
             post_stream = ar_stream
             ar_stream.wait_stream(rs_stream)
             with dh.stream(ar_stream):
-                dist.all_reduce(reduce_output, group=ar_group, op=ar_op)
+                dist.all_reduce(reduce_output, group=ar_group, op=divide.all_reduce_op)
                 all_reduce_input = reduce_output
                 all_reduce_event = ar_stream.record_event()
-        if all_reduce_hook is not None:
+        if call.all_reduce_hook is not None:
             post_stream = ar_stream
             ar_stream.wait_stream(rs_stream)
             with dh.stream(ar_stream):
-                all_reduce_hook(reduce_output)
-                if self.internals.profile.hook_output_held:
-                    # 2.15: FSDP2 holds the hook's input across layers, like the HSDP all-reduce buffer.
-                    all_reduce_input, all_reduce_event = reduce_output, ar_stream.record_event()
+                call.all_reduce_hook(reduce_output)
+                hook_input, hook_event = reduce_output, ar_stream.record_event()
 
         with dh.stream(post_stream):
+            if divide.post_divide not in (None, 1):
+                reduce_output.div_(divide.post_divide)
             offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
-            compat.set_sharded_grads(fsdp_params, reduce_output, offsets, orig_dtype, accumulated=fused is not None)
+            set_sharded_grads(fsdp_params, reduce_output, offsets, call.cast_dtypes, accumulated=fused is not None)
             post_reduce_event = post_stream.record_event()
-        return self._result(
-            _ReadHold(sources), rs_event, post_stream, post_reduce_event, all_reduce_input, all_reduce_event, None
+        return ReduceOutcome(
+            hold,
+            rs_event,
+            post_stream,
+            post_reduce_event,
+            all_reduce_input,
+            all_reduce_event,
+            None,
+            hook_input,
+            hook_event,
         )
 
-    def _result(self, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial):
-        return compat.reduce_result(
-            self.internals, hold, rs_event, post_stream, post_event, ar_input, ar_event, partial
-        )
+    def _fused_output(self, fsdp_params, layout: GroupLayout, cast_dtypes):
+        """The packed fp32 buffer all existing sharded grads are views of, in layout order, or None."""
+        if any(dtype not in (None, torch.float32) for dtype in cast_dtypes):
+            return None
+        offsets = [layout.shard_elem_offset(p) for p in range(layout.num_params)]
+        return accessors.packed_sharded_grad_base(fsdp_params, offsets, layout.total_shard_numel)

@@ -37,12 +37,19 @@ class GroupLayout:
     ``itemsize`` is the all-gather element size b_ag in bytes. Element-based helpers
     (``shard_numel``, ``shard_elem_offset``) are independent of it and are what the
     reduce-scatter uses with its own gradient and output item sizes.
+
+    ``align`` (elements) rounds every o_p up to a multiple of it. FSDP2's packed shard has no gaps
+    (align 1, what the reduce-scatter output needs); a group whose parameters have different dtypes
+    is all-gathered as bytes (itemsize 1, each row K_p * its item size wide), and aligning its o_p to
+    16 bytes keeps every landing aligned for its own dtype (o_p*N + r*s_p, s_p a multiple of the
+    item size).
     """
 
     rows: tuple[int, ...]
     cols: tuple[int, ...]
     world_size: int
     itemsize: int = 2
+    align: int = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -56,11 +63,14 @@ class GroupLayout:
         for p, (d, k) in enumerate(zip(self.rows, self.cols)):
             if d < 1 or k < 1:
                 raise PlanError(f"parameter {p} has shape ({d}, {k}); both dimensions must be >= 1")
+        if not isinstance(self.align, int) or self.align < 1:
+            raise PlanError(f"align={self.align!r} must be an integer >= 1")
         padded = tuple(-(-d // self.world_size) for d in self.rows)
         numels = tuple(r * k for r, k in zip(padded, self.cols))
         offsets = [0]
         for n in numels[:-1]:
-            offsets.append(offsets[-1] + n)
+            end = offsets[-1] + n
+            offsets.append(-(-end // self.align) * self.align)
         object.__setattr__(self, "_padded", padded)
         object.__setattr__(self, "_numels", numels)
         object.__setattr__(self, "_elem_offsets", tuple(offsets))
@@ -76,8 +86,26 @@ class GroupLayout:
             itemsize=itemsize,
         )
 
+    @classmethod
+    def bytes_of(
+        cls, shapes: Iterable[Sequence[int] | int], itemsizes: Sequence[int], world_size: int, align: int = 16
+    ) -> GroupLayout:
+        """The layout of parameters of different item sizes moved as bytes: row width K_p * itemsize_p,
+        every o_p aligned to ``align`` bytes."""
+        shapes = list(shapes)
+        if len(itemsizes) != len(shapes):
+            raise PlanError(f"{len(itemsizes)} item sizes for {len(shapes)} shapes")
+        dk = [_as_2d(s, i) for i, s in enumerate(shapes)]
+        return cls(
+            rows=tuple(d for d, _ in dk),
+            cols=tuple(k * size for (_, k), size in zip(dk, itemsizes)),
+            world_size=world_size,
+            itemsize=1,
+            align=align,
+        )
+
     def with_itemsize(self, itemsize: int) -> GroupLayout:
-        return GroupLayout(self.rows, self.cols, self.world_size, itemsize)
+        return GroupLayout(self.rows, self.cols, self.world_size, itemsize, self.align)
 
     # -- per parameter ---------------------------------------------------------------------
     @property
@@ -130,8 +158,9 @@ class GroupLayout:
     # -- whole group -----------------------------------------------------------------------
     @property
     def total_shard_numel(self) -> int:
-        """E: elements of one rank's packed shard (also FSDP2's reduce-scatter output numel)."""
-        return sum(self._numels)
+        """E: elements of one rank's packed shard (also FSDP2's reduce-scatter output numel), gaps
+        of ``align`` included."""
+        return self._elem_offsets[-1] + self._numels[-1]
 
     @property
     def total_shard_bytes(self) -> int:
@@ -145,7 +174,7 @@ class GroupLayout:
 
     def signature(self) -> tuple:
         """Hashable identity used to cache plans and to compare ranks."""
-        return (self.rows, self.cols, self.world_size, self.itemsize)
+        return (self.rows, self.cols, self.world_size, self.itemsize, self.align)
 
     def param_at_element(self, e: int) -> int:
         """Parameter whose packed shard range holds element e (binary search)."""

@@ -22,15 +22,14 @@ def cuda_unavailable_reason(
     if native.load_error() is not None:
         return f"tide_core._C is not available ({native.load_error()})"
     if topology.nodes > 1:
-        from tide_core.transport.rail import nccl_rma_unavailable_reason
+        from tide_core.errors import TransportError
+        from tide_core.transport.rail import choose_rail
 
-        if rail == "nccl_rma":
-            return (
-                f"{topology.nodes} nodes: the rail transport 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}"
-            )
-        if rail == "p2p" and not single_host:
-            return f"{topology.nodes} nodes on several hosts: rail='p2p' needs one host (use rail='nccl' or 'auto')"
-        if (rail == "nccl" or (rail == "auto" and not single_host)) and not torch.distributed.is_nccl_available():
+        try:
+            chosen = choose_rail(rail, single_host)
+        except TransportError as exc:
+            return f"{topology.nodes} nodes on several hosts: {exc}"
+        if chosen == "nccl" and not torch.distributed.is_nccl_available():
             return f"{topology.nodes} nodes: the 'nccl' rail needs torch.distributed with NCCL"
     return None
 

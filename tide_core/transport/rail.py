@@ -22,35 +22,34 @@ Implementations:
 * ``nccl``: grouped send/recv through torch.distributed (``tide_core.transport.dist_rail``), the
   rail for groups that span hosts. It is two-sided, so it does not use ``put``/``signal``/``wait``:
   the CUDA transport records ``exchange`` host steps instead (``cuda.allgather``, ``cuda.level2``).
-* ``nccl_rma``: NCCL host RMA (``ncclPutSignal`` / ``ncclWaitSignal`` over windows registered with
-  ``NCCL_WIN_COLL_SYMMETRIC`` on rail communicators split with ``ncclCommSplit(color = local
-  rank)``). NCCL's signals are counters (+1 per put or signal, ``sigIdx`` 0 only, applied in order
-  per peer), so an epoch-valued slot becomes a count: a call sends a fixed number K of signals to
-  each rail peer, so "slot s of call e" is count (e - 1) * K + k_s. It is not built yet (host RMA
-  needs NCCL >= 2.29 and a NIC that supports it; the GPU machines used so far carry NCCL 2.28.9).
-  ``nccl_rma_unavailable_reason()`` says why it cannot be used; the transport then falls back.
+A third rail over NCCL host RMA (NCCL >= 2.29 and a NIC that supports it) is designed
+(docs/multinode.md) but not built, so it is not offered as a choice.
 """
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 from typing import Protocol
 
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
 from tide_core.plan.buffers import FLAG_LINE, flag_offset
 
-RAILS = ("auto", "p2p", "nccl", "nccl_rma")  # TIDEConfig.rail / CudaOptions.rail
-NCCL_RMA_MIN_VERSION = (2, 29, 0)  # ncclPutSignal / ncclWaitSignal (host RMA) arrived in NCCL 2.29
-NCCL_RMA_SYMBOLS = (
-    "ncclPutSignal",
-    "ncclWaitSignal",
-    "ncclSignal",
-    "ncclCommWindowRegister",
-    "ncclCommSplit",
-    "ncclCommQueryProperties",
-)
+RAILS = ("auto", "p2p", "nccl")  # CudaSettings.rail
+
+
+def choose_rail(kind: str, single_host: bool) -> str:
+    """The rail a multi-node group runs on, the one place that decides: ``auto`` is ``p2p`` when
+    every rank is on one host (emulated nodes) and ``nccl`` across hosts. TransportError says why
+    ``kind`` cannot serve."""
+    if kind not in RAILS:
+        raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
+    if kind == "auto":
+        return "p2p" if single_host else "nccl"
+    if kind == "p2p" and not single_host:
+        raise TransportError(
+            "rail='p2p' needs every rank of the group on one host (copy-engine P2P); use 'nccl' or 'auto'"
+        )
+    return kind
 
 
 class Rail(Protocol):
@@ -124,47 +123,13 @@ def nccl_version() -> tuple[int, int, int] | None:
     return tuple(version)[:3]
 
 
-def nccl_rma_unavailable_reason(version: tuple[int, int, int] | None = None, library: str | None = None) -> str:
-    """Why the ``nccl_rma`` rail cannot be used here (it is never available in this build)."""
-    version = version if version is not None else nccl_version()
-    if version is None:
-        return "no NCCL is loaded (CPU build of torch or no CUDA)"
-    shown = ".".join(map(str, version))
-    if tuple(version) < NCCL_RMA_MIN_VERSION:
-        return (
-            f"NCCL {shown} < {'.'.join(map(str, NCCL_RMA_MIN_VERSION))}: no public host RMA "
-            "(ncclPutSignal/ncclWaitSignal, hostRmaSupport)"
-        )
-    path = library or ctypes.util.find_library("nccl")
-    if path:
-        try:
-            lib = ctypes.CDLL(path)
-            missing = [s for s in NCCL_RMA_SYMBOLS if not hasattr(lib, s)]
-            if missing:
-                return f"NCCL {shown} at {path} lacks {', '.join(missing)}"
-        except OSError as exc:
-            return f"NCCL {shown}: cannot open {path} ({exc})"
-    return (
-        f"NCCL {shown} has the host RMA API (which also needs a NIC with hostRmaSupport), but TIDE's "
-        "nccl_rma rail is not built yet "
-        "(see docs/multinode.md); rail='nccl' serves groups across hosts"
-    )
-
-
 def make_rail(kind: str, topology: Topology, rank: int, flags, slots: int, *, single_host: bool, groups=None):
-    """The rail ``kind`` (one of RAILS); TransportError says why one cannot serve. ``auto``:
-    ``p2p`` when every rank is on one host (emulated nodes), else ``nccl``. ``groups``: the
-    transport's TopologyGroups (the ``nccl`` rail runs on its rail process group)."""
-    if kind not in RAILS:
-        raise ValueError(f"rail={kind!r} is not supported; choose one of {', '.join(RAILS)}")
-    if kind in ("auto", "p2p") and single_host:
+    """The rail ``choose_rail(kind, single_host)`` picks. ``groups``: the transport's TopologyGroups
+    (the ``nccl`` rail runs on its rail process group)."""
+    if choose_rail(kind, single_host) == "p2p":
         return P2PRail(topology, rank, flags, slots)
-    if kind == "p2p":
-        raise TransportError("rail='p2p' needs every rank of the group on one host (copy-engine P2P)")
-    if kind in ("auto", "nccl"):
-        from tide_core.transport.dist_rail import DistRail
+    from tide_core.transport.dist_rail import DistRail
 
-        if groups is None:
-            raise TransportError("rail='nccl' needs the group's topology process groups")
-        return DistRail(topology, groups, flags, flags.nbytes // FLAG_LINE)
-    raise TransportError(f"rail 'nccl_rma' is unavailable: {nccl_rma_unavailable_reason()}")
+    if groups is None:
+        raise TransportError("rail='nccl' needs the group's topology process groups")
+    return DistRail(topology, groups, flags, flags.nbytes // FLAG_LINE)

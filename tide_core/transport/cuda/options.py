@@ -1,6 +1,9 @@
-"""The CUDA transport's own options, each with its one list of allowed values (rails: ``rail.RAILS``).
+"""The CUDA transport's options, each written once with its one list of allowed values (rails:
+``rail.RAILS``).
 
-The FSDP2 adapter maps ``TIDEConfig`` (and its ``mode``) onto them (``tide_core.fsdp.options``).
+``CudaSettings`` are the options users set: ``TIDEConfig`` inherits them (so each is a config field
+and a ``TIDE_<FIELD>`` variable without being written twice) and validates them here. ``CudaOptions``
+adds what follows from the adapter's mode (``TIDEConfig.cuda_options()`` builds it).
 """
 
 from __future__ import annotations
@@ -14,55 +17,60 @@ SUM_KERNELS = ("auto", "tma", "regs")  # names tide_core._C maps to its kernel c
 LOCAL_COPIES = ("kernel", "ce")
 
 
-@dataclass(frozen=True)
-class CudaOptions:
-    #: Reduce-scatter sum kernel: "tma" (bulk-copy pipeline for 16-bit gradients with <= 7 staged
-    #: peers, regs for the rest; an error on GPUs before sm_90), "regs" (register-staged loads, any
-    #: GPU), "auto" (tma where it applies and measured faster: at most one staged peer; else regs).
-    sum_kernel: str = "auto"
-    #: Sum-kernel CTA budget (short-lived CTAs; Section 4.1).
-    sum_ctas: int = 16
-    #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
-    chunk_mib: float = 16.0
-    chunk_slots: int = 2
-    #: Reduce-scatter sum slices: > 0 cuts each chunk into slices writing at most this many MiB of
-    #: fp32 output, each signalled and summed on its own; 0: one sum kernel per chunk.
-    sum_slice_mib: float = 0.0
-    #: All-gather: copy streams (copy-engine queues) the node-peer pushes are spread over.
-    copy_lanes: int = 2
-    #: Same-GPU copies: "kernel" (one short copy kernel of local_copy_ctas CTAs) or "ce" (copy engine).
-    local_copy: str = "kernel"
-    local_copy_ctas: int = 16
-    #: Multi-node rail (``rail.RAILS``), Latin-square wave width W (None: L) and rail round width k.
-    rail: str = "auto"
-    wave_width: int | None = None
-    round_width: int = 2
-    #: Multi-node reduce-scatter outbox: False keeps M-1 blocks, True recycles them (Eq. 9).
-    recycle_outbox: bool = False
-    #: nccl rail: register the arena's MemPool with the rail communicator (NCCL user-buffer
-    #: registration, zero-copy on IB where NCCL supports it); all rail ranks or none.
-    register_rail_buffers: bool = False
-    #: Seconds a live peer may be late before PeerStallTimeout (None: the process group's own
-    #: timeout); after a further timeout_s nobody observed, exit the process (fail-stop) if
-    #: ``abort_on_stall``. docs/reliability.md.
+@dataclass
+class CudaSettings:
+    #: Seconds a live peer may be late in a TIDE collective before PeerStallTimeout is raised (every
+    #: transport, every wait). None: the process group's own timeout (10 min NCCL, 30 min gloo by
+    #: default), so TIDE never gives up on a slow peer (rank-0-only evaluation, a long checkpoint
+    #: save) sooner than the backend would. Dead peers are found sooner: see peer_dead_s.
     timeout_s: float | None = None
-    abort_on_stall: bool = True
-    #: A host heartbeat every heartbeat_s through the process group's store; a peer silent for
-    #: peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s is.
+    #: CUDA transport: a host heartbeat every heartbeat_s through the process group's store; a peer
+    #: silent for peer_dead_s while a wait is overdue is dead (PeerFailure), however long timeout_s
+    #: is. (gloo reports a dead peer's closed connection by itself.) docs/reliability.md.
     heartbeat_s: float = 2.0
     peer_dead_s: float = 60.0
-
-    #: Options every rank of a group must share: they size the symmetric buffers and pace the protocol.
-    PROTOCOL = (
-        "chunk_mib",
-        "chunk_slots",
-        "sum_slice_mib",
-        "wave_width",
-        "round_width",
-        "rail",
-        "recycle_outbox",
-        "register_rail_buffers",
-    )
+    #: After a failure nobody observed (the loop is stuck in CUDA) for another timeout_s, exit the
+    #: process (fail-stop, like NCCL's watchdog) instead of hanging.
+    abort_on_stall: bool = True
+    #: Reduce-scatter sum-kernel CTA budget (short-lived CTAs; Section 4.1).
+    sum_ctas: int = 16
+    #: Reduce-scatter sum kernel: "tma" (bulk-copy pipeline for 16-bit gradients with <= 7 staged
+    #: peers, regs for the rest; an error on GPUs before sm_90), "regs" (register-staged loads, any
+    #: GPU), "auto" (the lean TMA pipeline at the tile measured fastest on H200 for 1 and 3 staged
+    #: peers, for every count up to 7; regs where TMA does not apply).
+    sum_kernel: str = "auto"
+    #: Reduce-scatter staging: at most this many MiB per chunk, and chunk slots per source peer.
+    #: Staging = (L-1) x slots x min(chunk, one peer's rows) bytes; fewer, larger chunks cost
+    #: less host enqueue time, more slots let pushes run further ahead of the sums.
+    chunk_mib: float = 16.0
+    chunk_slots: int = 2
+    #: All-gather: copy streams the peer pushes are spread over (balanced by bytes). Each stream
+    #: feeds its own copy-engine queue; the own shard's placement always has a stream of its own.
+    copy_lanes: int = 2
+    #: All-gather: the own shards' placement on the same GPU, "kernel" (one short copy kernel of
+    #: local_copy_ctas CTAs) or "ce" (a copy-engine batch: ~7 us of host time per parameter).
+    local_copy: str = "kernel"
+    local_copy_ctas: int = 16
+    #: Reduce-scatter: 0 (default) runs one sum kernel per chunk. > 0 cuts each chunk into slices
+    #: that write at most this many MiB of fp32 output each: the pushes signal each slice's rows as
+    #: they arrive, so a slice's sum starts before the whole chunk landed, and a compute kernel
+    #: launched meanwhile waits at most one slice for its SMs. Measured on 2xH200 (docs/design.md):
+    #: 16 cuts the one-wave GEMM's slowdown under TIDE-RS from +137-171% to +90-94% at about the
+    #: same call time, but training steps were not faster (~4 ms slower at 2K tokens); 4 costs
+    #: ~9 us of host enqueue per slice and made the call up to 65% slower.
+    sum_slice_mib: float = 0.0
+    #: Multi-node rail: "auto" (p2p when every rank is on one host, i.e. emulated nodes; else
+    #: nccl), "p2p" (copy-engine P2P, one host) or "nccl" (grouped send/recv through
+    #: torch.distributed); ``rail.choose_rail`` is the one place that decides.
+    rail: str = "auto"
+    #: nccl rail: register the arena with NCCL (user-buffer registration: the NIC reads the send and
+    #: writes the receive buffers in place on IB). Off by default: the all-gather's first messages
+    #: leave from FSDP2's all-gather inputs, outside the arena, and it is unmeasured on IB
+    #: (docs/multinode.md).
+    register_rail_buffers: bool = False
+    #: Latin-square wave width W (None: L) and rail round width k (multi-node).
+    wave_width: int | None = None
+    round_width: int = 2
 
     def __post_init__(self) -> None:
         choices = {"sum_kernel": SUM_KERNELS, "local_copy": LOCAL_COPIES, "rail": RAILS}
@@ -88,6 +96,30 @@ class CudaOptions:
             raise ValueError(
                 f"peer_dead_s={self.peer_dead_s!r} must exceed two heartbeats (heartbeat_s={self.heartbeat_s!r})"
             )
+
+    @classmethod
+    def settings(cls) -> tuple[str, ...]:
+        """The names of the user-settable options (``CudaSettings``' fields)."""
+        return tuple(f.name for f in dataclasses.fields(CudaSettings))
+
+
+@dataclass
+class CudaOptions(CudaSettings):
+    #: Multi-node reduce-scatter outbox: False keeps M-1 blocks, True recycles them (Eq. 9; the
+    #: Slot-Reuse mode trades memory for speed in the transport too).
+    recycle_outbox: bool = False
+
+    #: Options every rank of a group must share: they size the symmetric buffers and pace the protocol.
+    PROTOCOL = (
+        "chunk_mib",
+        "chunk_slots",
+        "sum_slice_mib",
+        "wave_width",
+        "round_width",
+        "rail",
+        "recycle_outbox",
+        "register_rail_buffers",
+    )
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:

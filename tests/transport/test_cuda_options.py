@@ -1,4 +1,5 @@
-"""TIDEConfig onto CudaOptions: the adapter maps mode; each option's allowed values live once."""
+"""CudaOptions and TIDEConfig.cuda_options(): the settings carry over, mode maps onto the outbox, each
+option's allowed values live once (in the transport's options, which the config inherits)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import dataclasses
 import pytest
 
 from tide_core.config import TIDEConfig
-from tide_core.fsdp.options import cuda_options
 from tide_core.transport.cuda import CudaOptions
 
 
@@ -24,8 +24,8 @@ def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
         heartbeat_s=0.5,
         peer_dead_s=5.0,
     )
-    options = cuda_options(config)
-    assert options.recycle_outbox and not cuda_options(TIDEConfig(mode="in_place")).recycle_outbox
+    options = config.cuda_options()
+    assert options.recycle_outbox and not TIDEConfig(mode="in_place").cuda_options().recycle_outbox
     for field in dataclasses.fields(CudaOptions):
         if field.name != "recycle_outbox":
             assert getattr(options, field.name) == getattr(config, field.name), field.name
@@ -36,7 +36,8 @@ def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
     "bad,message",
     [
         ({"sum_kernel": "fast"}, "sum_kernel='fast' is not supported; choose one of auto, tma, regs"),
-        ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl, nccl_rma"),
+        ({"rail": "ib"}, "rail='ib' is not supported; choose one of auto, p2p, nccl"),
+        ({"rail": "nccl_rma"}, "rail='nccl_rma' is not supported; choose one of auto, p2p, nccl"),
         ({"local_copy": "dma"}, "local_copy='dma' is not supported; choose one of kernel, ce"),
         ({"copy_lanes": 0}, "copy_lanes=0 must be an integer >= 1"),
         ({"chunk_mib": 0}, "chunk_mib=0 must be > 0"),

@@ -12,7 +12,7 @@ sweep of every TMA kernel. Each round times every (staged, CTAs,
 variant) once, rounds interleave, so slow drift of the GPU hits all variants alike; a time is the
 median of 50 launches (CUDA events), a row's `us` the median over rounds. Throughput counts the
 staged and own rows read and the fp32 output written. `ratio_to_copy` is the sum's rate over the
-copy kernel's with the same CTAs moving the bytes of a one-source sum (issue 28's measure);
+copy kernel's with the same CTAs moving the bytes of a one-source sum (the measure the kernel is held to);
 `ratio_to_copy_same_bytes` compares with a copy of exactly the sum's bytes. Every variant's output
 is checked bit for bit against an fp32 reference (torch: staged sources left to right, then the
 own rows, then one multiply by alpha). The JSON is rewritten after every row, so a run cut short

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
-# Sum-kernel study on one GPU (issue 28) in one bounded run: build (sm_90 only), the kernel tests,
+# Sum-kernel study on one GPU in one bounded run: build (sm_90 only), the kernel tests,
 # scripts/sum_kernel_bench.py over every variant at 16 and 32 CTAs with 1 and 3 staged sources
 # (copy-kernel rows of the same run), Nsight Compute, and the built module's SASS.
 #
 #   bash scripts/sum_kernel_study.sh OUTDIR [study|final|check]
 #
 # study (default): ncu on the baselines (regs, tma, copy) and on the bench's two fastest
-# candidates per staged count. final: five bench rounds, written as 2026-12-01-sum-kernels.json
+# candidates per staged count. final: five bench rounds, written as <date>-sum-kernels.json
 # (benchmarks/results' file, also copied to OUTDIR), and ncu on the bench's fastest variant per
 # staged count next to the copy kernel; budget 270 s by default. check: the kernel and rejection
 # tests and a short bench of auto (measured as auto) next to tma_lean at its tile, tma, regs and
-# the copy kernel (2026-12-01-sum-kernels-auto.json, also copied to OUTDIR); no SASS dump, no ncu;
+# the copy kernel (<date>-sum-kernels-auto.json, also copied to OUTDIR); no SASS dump, no ncu;
 # budget 150 s by default. In every mode a crash of the rejection tests is followed by
 # diagnostics (crash-matrix.txt, foreign-bindings.txt, rejects-gdb.log), ~70 s at most.
 #
@@ -26,8 +26,8 @@ out=${1:?usage: scripts/sum_kernel_study.sh OUTDIR [study|final]}
 mode=${2:-study}
 case $mode in
   study) default_budget=390 rounds=3 bench_json=sum-kernels.json ;;
-  final) default_budget=270 rounds=5 bench_json=2026-12-01-sum-kernels.json ;;
-  check) default_budget=150 rounds=5 bench_json=2026-12-01-sum-kernels-auto.json ;;
+  final) default_budget=270 rounds=5 bench_json=$(date -u +%F)-sum-kernels.json ;;
+  check) default_budget=150 rounds=5 bench_json=$(date -u +%F)-sum-kernels-auto.json ;;
   *) echo "mode must be study, final or check, not $mode" >&2 && exit 2 ;;
 esac
 mkdir -p "$out"

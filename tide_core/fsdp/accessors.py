@@ -49,12 +49,12 @@ def fsdp_param_groups(model: torch.nn.Module) -> list[tuple[str, object, torch.n
     for fqn, module in model.named_modules():
         if not isinstance(module, FSDPModule):
             continue
-        for pg in param_groups(module._get_fsdp_state()):
-            if pg is None or id(pg) in seen or not pg.fsdp_params:
+        for param_group in param_groups(module._get_fsdp_state()):
+            if param_group is None or id(param_group) in seen or not param_group.fsdp_params:
                 continue
-            seen.add(id(pg))
-            names = [module_names.get(id(m), "?") for m in getattr(pg, "modules", ())] or [fqn or "<root>"]
-            found.append((", ".join(dict.fromkeys(names)), pg, module))
+            seen.add(id(param_group))
+            names = [module_names.get(id(m), "?") for m in getattr(param_group, "modules", ())] or [fqn or "<root>"]
+            found.append((", ".join(dict.fromkeys(names)), param_group, module))
     return found
 
 
@@ -185,8 +185,8 @@ def explicit_prefetch(param_groups) -> bool:
     (``set_modules_to_forward_prefetch`` / ``set_modules_to_backward_prefetch``)."""
     return any(
         getattr(module._get_fsdp_state(), attr, None)
-        for pg in param_groups
-        for module in getattr(pg, "modules", ())
+        for param_group in param_groups
+        for module in getattr(param_group, "modules", ())
         for attr in ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
     )
 

@@ -129,7 +129,7 @@ def _six_values(o: ReduceOutcome) -> tuple:
         o.post_reduce_event,
         o.all_reduce_input,
         o.all_reduce_event,
-        (o.partial_reduce_output),
+        o.partial_reduce_output,
     )
 
 

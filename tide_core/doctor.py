@@ -165,7 +165,7 @@ def render(report: dict) -> str:
         lines += [
             f"tide_core._C: built by nvcc {c['compiler']} for sm_{', sm_'.join(c['architectures'])}",
             f"  CUDA runtime {c['cuda_runtime']} (linked statically); "
-            f"the driver supports CUDA {c['cuda_driver'] or 'none: no driver'}",
+            + (f"the driver supports CUDA {c['cuda_driver']}" if c["cuda_driver"] else "no NVIDIA driver"),
         ]
         if c["problem"]:
             lines.append(f"  problem: {c['problem']}")

@@ -32,9 +32,10 @@ def test_json_report_has_every_section_and_echoes_tide_settings():
     assert set(report["rails"]) == {"p2p", "nccl"}  # choose_rail's choices, "auto" aside
     assert report["tide_env"]["TIDE_MAX_PARAMS"] == {"value": "64", "known": True}
     assert report["tide_env"]["TIDE_NOT_A_SETTING"] == {"value": "1", "known": False}
+    assert report["transports"]["reference"] == {"available": True, "reason": None}
     if report["gpus"]["count"] == 0:
-        assert report["transports"]["cuda"] == "no CUDA GPU is visible"
-        assert all("CUDA transport cannot run" in reason for reason in report["rails"].values())
+        assert report["transports"]["cuda"] == {"available": False, "reason": "no CUDA GPU is visible"}
+        assert all("CUDA transport cannot run" in rail["reason"] for rail in report["rails"].values())
 
 
 def test_text_report_names_torch_native_gpus_and_settings():

@@ -93,7 +93,7 @@ def _gpu_section(native_ok: bool) -> dict:
 
 
 def _transports(native_info: dict, gpus: dict, nccl) -> dict:
-    """What each transport and rail needs, and whether this machine has it (None: it can run)."""
+    """Whether each transport and rail can run on this machine, and if not, why."""
     cuda = None
     if gpus["count"] == 0:
         cuda = "no CUDA GPU is visible"
@@ -115,7 +115,10 @@ def _transports(native_info: dict, gpus: dict, nccl) -> dict:
         else:
             rails[rail] = None if nccl is not None else "torch has no NCCL"
     assert set(transports) == set(TRANSPORTS) - {"auto"}
-    return {"transports": transports, "rails": rails}
+    return {
+        kind: {name: {"available": reason is None, "reason": reason} for name, reason in found.items()}
+        for kind, found in (("transports", transports), ("rails", rails))
+    }
 
 
 def _tide_env(environ) -> dict:
@@ -146,8 +149,8 @@ def collect(environ=None) -> dict:
     }
 
 
-def _can(reason) -> str:
-    return "yes" if reason is None else f"no: {reason}"
+def _can(entry: dict) -> str:
+    return "yes" if entry["available"] else f"no: {entry['reason']}"
 
 
 def render(report: dict) -> str:
@@ -187,9 +190,9 @@ def render(report: dict) -> str:
         "",
         "transports:",
     ]
-    lines += [f"  {name}: {_can(reason)}" for name, reason in report["transports"].items()]
+    lines += [f"  {name}: {_can(entry)}" for name, entry in report["transports"].items()]
     lines.append("rails (multi-node groups):")
-    lines += [f"  {name}: {_can(reason)}" for name, reason in report["rails"].items()]
+    lines += [f"  {name}: {_can(entry)}" for name, entry in report["rails"].items()]
     lines += ["", "TIDE_* settings in effect:" if report["tide_env"] else "TIDE_* settings in effect: none"]
     for key, entry in report["tide_env"].items():
         lines.append(f"  {key}={entry['value']}" + ("" if entry["known"] else "  (not a TIDE setting: ignored)"))

@@ -22,15 +22,11 @@ from tide_core.config import OTHER_ENV_VARS, TIDEConfig, env_var
 from tide_core.fsdp.profiles import PROFILES, SUPPORTED_VERSIONS, probe, torch_version
 from tide_core.runtime import native
 from tide_core.transport import TRANSPORTS
-from tide_core.transport.availability import cuda_gpus_visible, native_unavailable_reason
+from tide_core.transport.availability import cuda_gpus_visible, cuda_version_text, native_unavailable_reason
 from tide_core.transport.rail import RAILS, nccl_version
 
 #: Variables that switch NVLink multicast (NVLS) off in NCCL, torch's symmetric memory and NVSHMEM.
 MULTICAST_ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")
-
-
-def _cuda_version(code: int) -> str:
-    return f"{code // 1000}.{code % 1000 // 10}"
 
 
 def _torch_section() -> dict:
@@ -52,7 +48,7 @@ def _torch_section() -> dict:
 
 def _native_section() -> dict:
     error = native.load_error()
-    info: dict = {"present": error is None, "error": error}
+    info: dict = {"present": error is None, "error": error, "problem": native_unavailable_reason()}
     if error is None:
         lib = native.lib()
         build = lib.build_info()
@@ -60,9 +56,8 @@ def _native_section() -> dict:
         info.update(
             architectures=build["architectures"].split(","),
             compiler=build["compiler"],
-            cuda_runtime=_cuda_version(build["cuda_runtime"]),
-            cuda_driver=_cuda_version(driver) if driver else None,
-            problem=native_unavailable_reason(),
+            cuda_runtime=cuda_version_text(build["cuda_runtime"]),
+            cuda_driver=cuda_version_text(driver) if driver else None,
         )
     return info
 
@@ -97,8 +92,8 @@ def _transports(native_info: dict, gpus: dict, nccl) -> dict:
     cuda = None
     if gpus["count"] == 0:
         cuda = "no CUDA GPU is visible"
-    elif not native_info["present"] or native_info.get("problem"):
-        cuda = native_info.get("problem") or f"tide_core._C is not available ({native_info['error']})"
+    elif native_info["problem"]:
+        cuda = native_info["problem"]
     elif not gpus["stream_memops"]:
         cuda = "the CUDA driver does not provide stream memory operations (cuStreamBatchMemOp)"
     reference = None if torch.distributed.is_available() else "torch was built without torch.distributed"
@@ -131,7 +126,7 @@ def collect(environ=None) -> dict:
     """Everything the doctor reports, as a JSON-ready dict."""
     environ = os.environ if environ is None else environ
     native_info = _native_section()
-    gpus = _gpu_section(native_info["present"] and not native_info.get("problem"))
+    gpus = _gpu_section(native_info["problem"] is None)
     nccl = nccl_version() if torch.distributed.is_nccl_available() else None
     return {
         "tide": {"version": tide_core.__version__, "location": os.path.dirname(tide_core.__file__)},
@@ -173,7 +168,7 @@ def render(report: dict) -> str:
         if c["problem"]:
             lines.append(f"  problem: {c['problem']}")
     else:
-        lines.append(f"tide_core._C: absent ({c['error']})")
+        lines.append(f"tide_core._C: {c['error']}")
     lines += ["", f"GPUs: {g['count']}"]
     for d in g["devices"]:
         lines.append(f"  {d['index']}: {d['name']}, compute capability {d['capability']}, {d['memory_gib']} GiB")

@@ -25,7 +25,8 @@ def cuda_gpus_visible() -> bool:
     return torch.cuda.is_available() and torch.cuda.device_count() > 0
 
 
-def _cuda_version(code: int) -> str:
+def cuda_version_text(code: int) -> str:
+    """A CUDA version code as CUDA reports it (13000, 12080) in the form 13.0, 12.8."""
     return f"{code // 1000}.{code % 1000 // 10}"
 
 
@@ -39,8 +40,8 @@ def native_unavailable_reason() -> str | None:
     runtime, driver = lib.build_info()["cuda_runtime"], lib.driver_version()
     if driver and driver // 1000 < runtime // 1000:
         return (
-            f"tide_core._C was built with CUDA {_cuda_version(runtime)}, the NVIDIA driver supports CUDA "
-            f"{_cuda_version(driver)} only (CUDA {runtime // 1000} needs a newer driver"
+            f"tide_core._C was built with CUDA {cuda_version_text(runtime)}, the NVIDIA driver supports CUDA "
+            f"{cuda_version_text(driver)} only (CUDA {runtime // 1000} needs a newer driver"
             + (", >= 580" if runtime // 1000 == 13 else "")
             + ")"
         )

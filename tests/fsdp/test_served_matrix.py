@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from tests.fsdp.models import RMSNorm, TinyLM
 from tests.fsdp.recording import Recorder, assert_exact, lm_steps, merged, run_scenarios
+from tide_core.fsdp.profiles import torch_version
 
 # -- model builders --------------------------------------------------------------------------------
 
@@ -213,7 +214,11 @@ ON_4_RANKS = [
     "bf16 model, 4 ranks",
     "bf16 model, 4 ranks, exact_stock_sums",
 ]
-ON_2_RANKS = [name for name in SETUPS if name not in ON_4_RANKS]
+#: torch 2.11's FSDP2 cannot shard an integer parameter (it makes every sharded parameter require
+#: gradients), so stock has no result to compare with there.
+NEEDS_TORCH_2_12 = {"bf16 policy, a frozen int64 parameter in each block"}
+TWO_RANK_SETUPS = [name for name in SETUPS if name not in ON_4_RANKS]
+ON_2_RANKS = [name for name in TWO_RANK_SETUPS if torch_version() >= (2, 12) or name not in NEEDS_TORCH_2_12]
 
 
 @pytest.fixture(scope="module")
@@ -230,8 +235,10 @@ def four_ranks():
     return merged(run_distributed(run_scenarios, 4, args=(SETUPS, ON_4_RANKS), timeout=600))
 
 
-@pytest.mark.parametrize("name", ON_2_RANKS)
+@pytest.mark.parametrize("name", TWO_RANK_SETUPS)
 def test_every_group_served_with_stocks_results(two_ranks, name):
+    if name not in ON_2_RANKS:
+        pytest.skip(f"stock FSDP2 cannot run this setup on torch {torch.__version__}")
     result = two_ranks[name]
     for r in result.values():
         assert r["served"] == r["groups"] and not r["reasons"], (name, r)

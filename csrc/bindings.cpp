@@ -55,6 +55,15 @@ int driver_version() {
   return v;
 }
 
+// How this module was built (the doctor compares it with the driver and the GPUs).
+py::dict build_info() {
+  py::dict info;
+  info["cuda_runtime"] = CUDART_VERSION;  // the runtime linked in (statically), e.g. 13000
+  info["architectures"] = TIDE_CUDA_ARCHS;
+  info["compiler"] = TIDE_CUDA_COMPILER_VERSION;
+  return info;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -132,4 +141,5 @@ PYBIND11_MODULE(_C, m) {
         "Whether the current GPU runs the TMA sum kernels (compute capability 9.0+, an sm_90+ kernel image).");
   m.def("runtime_version", &runtime_version);
   m.def("driver_version", &driver_version);
+  m.def("build_info", &build_info);
 }

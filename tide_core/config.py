@@ -16,13 +16,17 @@ from tide_core.transport import TRANSPORTS
 from tide_core.transport.cuda.options import CudaOptions, CudaSettings
 
 MODES = ("in_place", "slot_reuse")
-#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt) and scripts/
-#: (setup_env, gpu).
+#: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt,
+#: build_support/) and scripts/ (setup_env, test, gpu).
 OTHER_ENV_VARS = (
     "TIDE_NO_CUDA",
     "TIDE_CUDA_ARCHS",
     "TIDE_SETUP_FORCE",
+    "TIDE_WHEELHOUSE",
+    "TIDE_TEST_NEWEST",
+    "TIDE_TEST_MATRIX",
     "TIDE_GPU_OUT",
+    "TIDE_WHEEL",
     "TIDE_AG_ARGS",
     "TIDE_RS_ARGS",
     "TIDE_AG_SWEEP",

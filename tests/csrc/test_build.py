@@ -1,5 +1,7 @@
-"""csrc compiles wherever nvcc exists (the install builds tide_core._C), GPU or not."""
+"""csrc compiles wherever nvcc exists (the install builds tide_core._C), GPU or not, and says how it
+was built."""
 
+import os
 import shutil
 
 import pytest
@@ -24,10 +26,15 @@ def test_extension_was_built_and_exposes_its_primitives():
         "stream_memops_available",
         "tma_available",
         "runtime_version",
+        "build_info",
     ):
         assert callable(getattr(lib, name)), name
     assert lib.MAX_SEGMENTS >= 64 and lib.MAX_SOURCES >= 7
     assert lib.runtime_version() >= 12080  # cudaMemcpyBatchAsync needs CUDA >= 12.8
+    info = lib.build_info()
+    assert info["cuda_runtime"] == lib.runtime_version()  # the runtime is linked statically
+    assert info["architectures"].split(",") == os.environ.get("TIDE_CUDA_ARCHS", "80;90;100").split(";")
+    assert info["compiler"].startswith(f"{info['cuda_runtime'] // 1000}.")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="no CUDA toolkit (nvcc) on this machine")

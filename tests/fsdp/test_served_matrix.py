@@ -172,6 +172,7 @@ SETUPS = {
     "bf16 policy, no reduce dtype": (_tiny_lm, {"param_dtype": torch.bfloat16}),
     "Accelerate's bf16 policy (bf16 reduce)": (_tiny_lm, ACCELERATE_BF16),
     "bf16 weights, frozen fp32 norms": (_tiny_lm, {"model_dtype": torch.bfloat16, "frozen_fp32_norms": True}),
+    "bf16 policy, a frozen int64 parameter in each block": (_tiny_lm, {"frozen_int_param": True, **BF16_POLICY}),
     "activation checkpointing (torch), bf16 model": (_tiny_lm, {"model_dtype": torch.bfloat16, "checkpoint": True}),
     "torch.compile per block before fully_shard, bf16 policy": (
         _tiny_lm,
@@ -207,20 +208,17 @@ SETUPS = {
         {"model_dtype": torch.bfloat16, "options": {"exact_stock_sums": True}},
     ),
 }
-# FSDP2 shards integer parameters from torch 2.12 on (2.11's fully_shard makes every sharded
-# parameter require grad, which an integer tensor cannot).
-if torch_version() >= (2, 12):
-    SETUPS["bf16 policy, a frozen int64 parameter in each block"] = (
-        _tiny_lm,
-        {"frozen_int_param": True, **BF16_POLICY},
-    )
 ON_4_RANKS = [
     "HSDP 2 x 2, bf16 model",
     "HSDP 2 x 2, Accelerate's bf16 policy",
     "bf16 model, 4 ranks",
     "bf16 model, 4 ranks, exact_stock_sums",
 ]
-ON_2_RANKS = [name for name in SETUPS if name not in ON_4_RANKS]
+#: torch 2.11's FSDP2 cannot shard an integer parameter (it makes every sharded parameter require
+#: gradients), so stock has no result to compare with there.
+NEEDS_TORCH_2_12 = {"bf16 policy, a frozen int64 parameter in each block"}
+TWO_RANK_SETUPS = [name for name in SETUPS if name not in ON_4_RANKS]
+ON_2_RANKS = [name for name in TWO_RANK_SETUPS if torch_version() >= (2, 12) or name not in NEEDS_TORCH_2_12]
 
 
 @pytest.fixture(scope="module")
@@ -237,8 +235,10 @@ def four_ranks():
     return merged(run_distributed(run_scenarios, 4, args=(SETUPS, ON_4_RANKS), timeout=600))
 
 
-@pytest.mark.parametrize("name", ON_2_RANKS)
+@pytest.mark.parametrize("name", TWO_RANK_SETUPS)
 def test_every_group_served_with_stocks_results(two_ranks, name):
+    if name not in ON_2_RANKS:
+        pytest.skip(f"stock FSDP2 cannot run this setup on torch {torch.__version__}")
     result = two_ranks[name]
     for r in result.values():
         assert r["served"] == r["groups"] and not r["reasons"], (name, r)

@@ -32,6 +32,7 @@ from tide_core.plan import Topology, backward_live_bytes
 from tide_core.plan.report import fmt_bytes
 from tide_core.runtime.groups import check_agreement, handshake, point_to_point_unavailable_reason
 from tide_core.transport import make_transport
+from tide_core.transport.availability import warn_if_cuda_transport_missing
 
 log = logging.getLogger("tide")
 
@@ -261,6 +262,8 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     found = accessors.fsdp_param_groups(model)
     # Switched off: every group is reported on stock collectives and nothing is patched.
     internals, unsupported = probe() if config.enabled else (None, "TIDE is switched off (enabled=False)")
+    if config.enabled:
+        warn_if_cuda_transport_missing(config.transport)
 
     hosts: list = [socket.gethostname()] * dist.get_world_size()
     if dist.get_world_size() > 1:  # one process: nothing to agree on, no collective issued

@@ -1,7 +1,8 @@
-"""Loads tide_core._C (pybind11 + CUDA, built from csrc/ where a CUDA toolkit exists)."""
+"""Loads tide_core._C (pybind11 + CUDA, built from csrc/ wherever a CUDA compiler is found or fetched)."""
 
 from __future__ import annotations
 
+import importlib.util
 from types import ModuleType
 
 from tide_core.errors import TransportError
@@ -16,12 +17,15 @@ def _load() -> None:
     if _tried:
         return
     _tried = True
+    if importlib.util.find_spec("tide_core._C") is None:
+        _error = "not built: TIDE was installed without a CUDA compiler or with TIDE_NO_CUDA=1"
+        return
     try:
         from tide_core import _C  # type: ignore[attr-defined]
 
         _module = _C
     except ImportError as exc:
-        _error = f"not built: {exc}. Install where nvcc exists, e.g. pip install --no-build-isolation -e ."
+        _error = f"failed to load: {exc}"
 
 
 def load_error() -> str | None:

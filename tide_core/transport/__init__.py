@@ -17,10 +17,11 @@ def cuda_unavailable_reason(
     the group runs on this machine (multi-node topologies are then emulated over the p2p rail)."""
     if device.type != "cuda":
         return f"the group lives on {device.type}, the CUDA transport needs CUDA tensors"
-    from tide_core.runtime import native
+    from tide_core.transport.availability import native_unavailable_reason
 
-    if native.load_error() is not None:
-        return f"tide_core._C is not available ({native.load_error()})"
+    reason = native_unavailable_reason()
+    if reason is not None:
+        return reason
     if topology.nodes > 1:
         from tide_core.errors import TransportError
         from tide_core.transport.rail import choose_rail

@@ -1,0 +1,52 @@
+"""``python -m tide_core doctor``: the report as text and as JSON, exit code 0, in a fresh process
+(CPU here: no GPU, the CUDA transport and its rails reported as unavailable with the reason)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tide_core import doctor
+
+
+def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "tide_core", "doctor", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **env},
+    )
+
+
+def test_json_report_has_every_section_and_echoes_tide_settings():
+    result = _doctor("--json", TIDE_MAX_PARAMS="64", TIDE_NOT_A_SETTING="1")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert set(report) >= {"tide", "torch", "tide_core._C", "gpus", "nccl", "transports", "rails", "tide_env"}
+    assert report["torch"]["version"].split("+")[0] == __import__("torch").__version__.split("+")[0]
+    assert set(report["nccl"]["multicast_settings"]) == set(doctor.MULTICAST_ENV_VARS)
+    assert set(report["transports"]) == {"reference", "cuda"}
+    assert set(report["rails"]) == {"p2p", "nccl"}  # choose_rail's choices, "auto" aside
+    assert report["tide_env"]["TIDE_MAX_PARAMS"] == {"value": "64", "known": True}
+    assert report["tide_env"]["TIDE_NOT_A_SETTING"] == {"value": "1", "known": False}
+    assert report["transports"]["reference"] == {"available": True, "reason": None}
+    if report["gpus"]["count"] == 0:
+        assert report["transports"]["cuda"] == {"available": False, "reason": "no CUDA GPU is visible"}
+        assert all("CUDA transport cannot run" in rail["reason"] for rail in report["rails"].values())
+
+
+def test_text_report_names_torch_native_gpus_and_settings():
+    result = _doctor(TIDE_TRANSPORT="reference", NCCL_NVLS_ENABLE="0")
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    for expected in ("torch ", "TIDE's FSDP2 adapter:", "tide_core._C:", "GPUs:", "NCCL_NVLS_ENABLE=0", "transports:"):
+        assert expected in text, expected
+    assert "TIDE_TRANSPORT=reference" in text
+
+
+def test_unknown_command_prints_usage():
+    result = subprocess.run([sys.executable, "-m", "tide_core"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and "python -m tide_core doctor" in result.stderr

@@ -235,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--fault-timeout-s", type=float, default=2.0, help="stress: the reference transport's timeout in fault trials"
     )
+    p.add_argument(
+        "--run-limit-s",
+        type=float,
+        default=0,
+        help="stress: kill a run's processes after this long (0: 120 s + 60 s and 4 fault timeouts per cycle)",
+    )
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p
 

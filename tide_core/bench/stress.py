@@ -187,7 +187,11 @@ def _rank(rank: int, ranks: int, port: int, seed: int, options: dict, path: str)
         "errors": [],
     }
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks, timeout=timedelta(seconds=120)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=ranks,
+        timeout=timedelta(seconds=options["run_limit_s"]),  # no wait of a run outlasts the run
     )
     try:
         rng = random.Random(seed)  # the same on every rank: shapes, modes and faults agree
@@ -255,8 +259,8 @@ def failed(row: dict) -> bool:
 
 def format_rows(rows: list[dict]) -> str:
     lines = [
-        "| run | seed | exit codes | steps | parity failures | fault trials (fired) | late arrivals | outcomes "
-        "(rank-calls) | errors | wall s |",
+        "| run | seed | exit codes | steps | parity failures | fault trial calls (faults fired) | late arrivals "
+        "| outcomes | errors | wall s |",
         "|---" * 10 + "|",
     ]
     for row in rows:
@@ -269,7 +273,8 @@ def format_rows(rows: list[dict]) -> str:
     aborted = sum(bool(row["aborted ranks"]) for row in rows)
     late = sum(bool(row.get("late arrivals", 0)) for row in rows)
     lines.append(
-        f"\n{len(rows)} runs: {aborted} with an abort, {late} with a late arrival, "
+        f"\nCounts are summed over ranks (a fault trial is one call on every rank; its fault fires on one).\n"
+        f"{len(rows)} runs: {aborted} with an abort, {late} with a late arrival, "
         f"{sum(failed(row) for row in rows)} failed in all"
     )
     return "\n".join(lines)
@@ -282,7 +287,7 @@ def run_stress(args) -> int:
         "cycles": args.cycles,
         "steps": args.steps,
         "timeout_s": args.fault_timeout_s,
-        "run_limit_s": 120 + args.cycles * (4 * args.fault_timeout_s + 60),
+        "run_limit_s": args.run_limit_s or 120 + args.cycles * (4 * args.fault_timeout_s + 60),
     }
     rows = []
     for run in range(args.runs):

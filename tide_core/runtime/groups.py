@@ -245,8 +245,9 @@ def settle_failed(
     A work is finished when its wait returns or the backend ends it with a connection error (its
     connection is gone: nothing more moves through it). Works whose wait timed out, and the
     ``unfinished`` ones (a timed-out wait does not cancel the transfer), may still move data: then
-    all the call's works and ``tensors`` are parked in ``PARKED`` and the group is marked unusable
-    (``require_usable``), so neither the caller's frees nor a later TIDE call can reuse that memory."""
+    those works, the drained ones and all the call's ``tensors`` are parked in ``PARKED`` and the
+    group is marked unusable (``require_usable``), so neither the caller's frees nor a later TIDE
+    call can reuse that memory."""
     unfinished = list(unfinished)
     deadline = time.monotonic() + timeout_s
     for _peer, work in pending:

@@ -12,6 +12,7 @@ import gc
 import hashlib
 import pickle
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -177,8 +178,7 @@ def peer_error(
     who = f"peer rank {peer}" if peer is not None else "a peer"
     where = f"{collective} on group {_group_name(group)}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    said = str(exc).lower()
-    if timeout_s is not None and (expired or "timed out" in said or "timing out" in said):
+    if timeout_s is not None and (expired or says_timed_out(exc)):
         return PeerStallTimeout(
             f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
             f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)"
@@ -191,12 +191,18 @@ def peer_error(
     )
 
 
+def says_timed_out(exc: BaseException) -> bool:
+    """Whether a backend error reports a wait that ran out of time (gloo "timed out", NCCL "timing out")."""
+    said = str(exc).lower()
+    return "timed out" in said or "timing out" in said
+
+
 def wait_all(
     works: list,
     collective: str,
     group: dist.ProcessGroup | None,
     timeout_s: float | None,
-    tensors: list[torch.Tensor] = (),
+    tensors: Sequence[torch.Tensor] = (),
 ) -> None:
     """Wait for ``works`` ((peer global rank or None, work) pairs) for at most ``timeout_s`` in all
     (None: the process group's own timeout). A peer that does not take part in time raises
@@ -234,7 +240,7 @@ _UNUSABLE: dict[str, TIDEError] = {}
 def settle_failed(
     pending: list,
     unfinished: list,
-    tensors: list[torch.Tensor],
+    tensors: Sequence[torch.Tensor],
     group: dist.ProcessGroup | None,
     timeout_s: float,
     error: TIDEError,
@@ -254,8 +260,7 @@ def settle_failed(
         try:
             work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError as exc:
-            said = str(exc).lower()
-            if time.monotonic() >= deadline or "timed out" in said or "timing out" in said:
+            if time.monotonic() >= deadline or says_timed_out(exc):
                 unfinished.append(work)
     if unfinished:
         PARKED.append(([work for _, work in pending] + unfinished, list(tensors)))

@@ -10,7 +10,7 @@ def test_a_short_stress_run_is_clean_and_its_fault_fires(tmp_path):
     in time: rank 0's receives are posted when it fails, and rank 1's data arrives after that. The
     run passes only if that data lands before rank 0's call returns (none after, in its outputs)."""
     argv = [sys.executable, "-m", "tide_core.bench", "stress", "--runs", "1", "--ranks", "2", "--cycles", "1"]
-    argv += ["--steps", "2", "--seed", "7", "--fault-timeout-s", "1", "--no-write", "--scratch", str(tmp_path)]
+    argv += ["--steps", "2", "--seed", "7", "--fault-timeout-s", "2", "--no-write", "--scratch", str(tmp_path)]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     [row] = json.loads((tmp_path / "stress.json").read_text())
     assert row["errors"] == [], row["errors"]

@@ -90,7 +90,7 @@ def _training_cycle(rng: random.Random, rank: int, steps: int, report: dict) -> 
 @contextlib.contextmanager
 def _injected(role: str, strike: int, late_s: float, timeout_s: float, fired: list):
     """Wrap ``dist.isend`` for one call. ``send_fails``: the ``strike``-th send raises as a broken
-    connection does; ``sends_after_timeout``: every send waits past the peers' timeout; ``late``:
+    connection does; ``sends_after_timeout``: its first send waits past the timeout; ``late``:
     each exchange's first send (the first after a receive was posted) waits ``late_s``."""
     isend, irecv = dist.isend, dist.irecv
     sends = 0

@@ -4,7 +4,15 @@
 ``import tide_core.plan`` stays light.
 """
 
-from tide_core.errors import PeerFailure, PeerStallTimeout, PlanError, RankMismatchError, TIDEError, TransportError
+from tide_core.errors import (
+    GroupUnusableError,
+    PeerFailure,
+    PeerStallTimeout,
+    PlanError,
+    RankMismatchError,
+    TIDEError,
+    TransportError,
+)
 
 __version__ = "0.1.0"
 
@@ -19,6 +27,7 @@ __all__ = [
     "RankMismatchError",
     "PeerStallTimeout",
     "PeerFailure",
+    "GroupUnusableError",
     "TransportError",
 ]
 

@@ -34,5 +34,10 @@ class PeerFailure(TIDEError, RuntimeError):
         self.peer = peer
 
 
+class GroupUnusableError(TIDEError, RuntimeError):
+    """TIDE posts nothing more on a process group where a failed call left sends or receives that
+    never completed: their tensors are kept alive, and the group's queues are out of step."""
+
+
 class TransportError(TIDEError, RuntimeError):
     """A transport cannot run the requested call (missing extension, bad buffers, CUDA error)."""

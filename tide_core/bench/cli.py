@@ -1,4 +1,5 @@
-"""``python -m tide_core.bench ag|rs|ce|interference|train|all``: TIDE vs stock FSDP2 vs bare NCCL.
+"""``python -m tide_core.bench ag|rs|ce|interference|train|all``: TIDE vs stock FSDP2 vs bare NCCL;
+``python -m tide_core.bench stress``: the memory-safety stress run (``tide_core.bench.stress``).
 
 Runs on every visible GPU (one process each, NCCL); on a CPU-only machine ``ag``/``rs`` run 2
 gloo processes with the reference transport (a smoke test of the harness, not a measurement).
@@ -174,7 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m tide_core.bench", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=("ag", "rs", "ce", "interference", "train", "all"))
+    p.add_argument("command", choices=("ag", "rs", "ce", "interference", "train", "all", "stress"))
     p.add_argument(
         "--sizes",
         type=lambda s: [int(x) for x in s.split(",")],
@@ -203,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="tokens per GPU per step",
     )
     p.add_argument("--rounds", type=int, default=4, help="timed rounds after the warm-up round")
-    p.add_argument("--steps", type=int, default=3, help="steps per system per round")
+    p.add_argument("--steps", type=int, default=3, help="steps per system per round (stress: per install cycle)")
     p.add_argument("--ac", action="store_true", help="activation checkpointing on every block")
     p.add_argument("--loss-steps", type=int, default=0, help="also train this many steps on real text (e.g. 200)")
     p.add_argument(
@@ -227,6 +228,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="ag/rs/interference: also time TIDE with a TIDEConfig field at each value, e.g. copy_lanes=1,2,4",
     )
     p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")
+    p.add_argument("--runs", type=int, default=10, help="stress: runs, each on fresh processes")
+    p.add_argument("--ranks", type=int, default=4, help="stress: gloo processes per run")
+    p.add_argument("--cycles", type=int, default=3, help="stress: install cycles and fault trials per run")
+    p.add_argument("--seed", type=int, default=0, help="stress: run i uses seed + i")
+    p.add_argument(
+        "--fault-timeout-s", type=float, default=2.0, help="stress: the reference transport's timeout in fault trials"
+    )
+    p.add_argument(
+        "--run-limit-s",
+        type=float,
+        default=0,
+        help="stress: kill a run's processes after this long (0: 120 s + 60 s and 4 fault timeouts per cycle)",
+    )
     p.add_argument("--scratch", default=None, help="directory for raw JSON (default: a temporary one)")
     return p
 
@@ -236,6 +250,10 @@ def main(argv=None) -> int:
     args.scratch = args.scratch or tempfile.mkdtemp(prefix="tide-bench-")
     os.makedirs(args.scratch, exist_ok=True)
     commands = ["ag", "rs", "interference", "train"] if args.command == "all" else [args.command]
+    if args.command == "stress":
+        from tide_core.bench.stress import run_stress
+
+        return run_stress(args)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     for command in commands:
         args.command = command

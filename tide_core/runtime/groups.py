@@ -12,13 +12,14 @@ import gc
 import hashlib
 import pickle
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tide_core.errors import PeerFailure, PeerStallTimeout, RankMismatchError
+from tide_core.errors import GroupUnusableError, PeerFailure, PeerStallTimeout, RankMismatchError, TIDEError
 from tide_core.plan import Topology
 
 
@@ -107,7 +108,8 @@ def exchange(
     timeout_s: float | None = None,
 ) -> None:
     """Post every send and receive (peers are global ranks) and wait for all of them, at most
-    ``timeout_s`` in all (None: the process group's own timeout); see ``wait_all``.
+    ``timeout_s`` in all (None: the process group's own timeout); see ``wait_all``, which also says
+    what happens to the tensors of a call that fails.
 
     Messages between one pair of ranks are matched in posting order, so both sides must list them
     in the same order. NCCL needs them batched (a lone blocking send would deadlock against a peer
@@ -115,22 +117,29 @@ def exchange(
     """
     if not sends and not recvs:
         return
-    on_cuda = any(t.is_cuda for _, t in sends + recvs)
+    require_usable(group, collective)
+    tensors = [t for _, t in recvs + sends]
+    works: list = []
     try:
-        if on_cuda:
+        if any(t.is_cuda for t in tensors):
             ops = [dist.P2POp(dist.irecv, t, peer, group) for peer, t in recvs]
             ops += [dist.P2POp(dist.isend, t, peer, group) for peer, t in sends]
             works = [(None, work) for work in dist.batch_isend_irecv(ops)]
         else:
-            works = [(peer, dist.irecv(t, src=peer, group=group)) for peer, t in recvs]
-            works += [(peer, dist.isend(t, dst=peer, group=group)) for peer, t in sends]
+            for peer, t in recvs:
+                works.append((peer, dist.irecv(t, src=peer, group=group)))
+            for peer, t in sends:
+                works.append((peer, dist.isend(t, dst=peer, group=group)))
     except RuntimeError as exc:  # posting fails at once when a peer's connection is already gone
-        raise peer_error(exc, collective, group, None) from exc
-    wait_all(works, collective, group, timeout_s)
+        error = peer_error(exc, collective, group, None)
+        settle_failed(works, [], tensors, group, group_timeout_s(group) if timeout_s is None else timeout_s, error)
+        raise error from exc
+    wait_all(works, collective, group, timeout_s, tensors)
 
 
 def barrier(group: dist.ProcessGroup | None, what: str, timeout_s: float | None = None) -> None:
     """``dist.barrier`` bounded by ``timeout_s`` (None: the process group's timeout), errors named."""
+    require_usable(group, what)
     try:
         work = dist.barrier(group=group, async_op=True)
     except RuntimeError as exc:
@@ -169,8 +178,7 @@ def peer_error(
     who = f"peer rank {peer}" if peer is not None else "a peer"
     where = f"{collective} on group {_group_name(group)}"
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    said = str(exc).lower()
-    if timeout_s is not None and (expired or "timed out" in said or "timing out" in said):
+    if timeout_s is not None and (expired or says_timed_out(exc)):
         return PeerStallTimeout(
             f"{where}: {who} did not take part within {timeout_s:g} s (it is alive but "
             f"late, stalled, or issued a different call order; TIDE_TIMEOUT_S sets the limit)"
@@ -183,23 +191,90 @@ def peer_error(
     )
 
 
-def wait_all(works: list, collective: str, group: dist.ProcessGroup | None, timeout_s: float | None) -> None:
+def says_timed_out(exc: BaseException) -> bool:
+    """Whether a backend error reports a wait that ran out of time (gloo "timed out", NCCL "timing out")."""
+    said = str(exc).lower()
+    return "timed out" in said or "timing out" in said
+
+
+def wait_all(
+    works: list,
+    collective: str,
+    group: dist.ProcessGroup | None,
+    timeout_s: float | None,
+    tensors: Sequence[torch.Tensor] = (),
+) -> None:
     """Wait for ``works`` ((peer global rank or None, work) pairs) for at most ``timeout_s`` in all
     (None: the process group's own timeout). A peer that does not take part in time raises
     PeerStallTimeout, a dead one PeerFailure, both naming the collective, the group and the peer.
-    The backend's wait does the timing (gloo and NCCL both take a timeout), so no thread polls."""
+    The backend's wait does the timing (gloo and NCCL both take a timeout), so no thread polls.
+
+    ``tensors`` are those the works read or write. The error is raised only after the works not
+    yet waited for are settled (``settle_failed``): a receive still posted when the call returns
+    would write into memory the caller has taken back."""
     timeout_s = group_timeout_s(group) if timeout_s is None else timeout_s
     # Backends outside the known ones (e.g. torch's in-process threaded test group, whose works
     # take no finite timeout) wait under their own timeout.
     bounded = point_to_point_unavailable_reason(group if group is not None else dist.group.WORLD) is None
     deadline = time.monotonic() + timeout_s
-    for peer, work in works:
+    for i, (peer, work) in enumerate(works):
         remaining = max(deadline - time.monotonic(), 0.001)
         try:
             work.wait(timeout=timedelta(seconds=remaining)) if bounded else work.wait()
         except RuntimeError as exc:  # gloo and NCCL raise RuntimeError (DistBackendError) subclasses
             expired = time.monotonic() >= deadline
-            raise peer_error(exc, collective, group, peer, timeout_s, expired) from exc
+            error = peer_error(exc, collective, group, peer, timeout_s, expired)
+            ended = isinstance(error, PeerFailure)  # the backend ended the work: its connection is gone
+            settle_failed(works[i + 1 :], [] if ended else [work], tensors, group, timeout_s, error)
+            raise error from exc
+
+
+#: Works a failed call left unfinished, with the tensors they read or write. Held for the life of
+#: the process: the backend may still write into (or read from) those tensors, so their memory
+#: must never return to the allocator.
+PARKED: list[tuple[list, list[torch.Tensor]]] = []
+#: Process group name -> the error of the call that parked works on it.
+_UNUSABLE: dict[str, TIDEError] = {}
+
+
+def settle_failed(
+    pending: list,
+    unfinished: list,
+    tensors: Sequence[torch.Tensor],
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+    error: TIDEError,
+) -> None:
+    """After ``error`` in a call: wait for its ``pending`` works (at most ``timeout_s`` in all,
+    their errors swallowed) so that everything that will arrive lands before the call returns.
+
+    A work is finished when its wait returns or the backend ends it with a connection error (its
+    connection is gone: nothing more moves through it). Works whose wait timed out, and the
+    ``unfinished`` ones (a timed-out wait does not cancel the transfer), may still move data: then
+    those works, the drained ones and all the call's ``tensors`` are parked in ``PARKED`` and the
+    group is marked unusable (``require_usable``), so neither the caller's frees nor a later TIDE
+    call can reuse that memory."""
+    unfinished = list(unfinished)
+    deadline = time.monotonic() + timeout_s
+    for _peer, work in pending:
+        try:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as exc:
+            if time.monotonic() >= deadline or says_timed_out(exc):
+                unfinished.append(work)
+    if unfinished:
+        PARKED.append(([work for _, work in pending] + unfinished, list(tensors)))
+        _UNUSABLE.setdefault((group if group is not None else dist.group.WORLD).group_name, error)
+
+
+def require_usable(group: dist.ProcessGroup | None, what: str) -> None:
+    """Raise GroupUnusableError if a failed call parked works on ``group`` (``settle_failed``)."""
+    first = _UNUSABLE.get((group if group is not None else dist.group.WORLD).group_name)
+    if first is not None:
+        raise GroupUnusableError(
+            f"{what}: process group {_group_name(group)} is unusable for TIDE: a failed call left sends or "
+            f"receives on it that never completed (their tensors are kept alive). That call's error: {first}"
+        )
 
 
 #: Backends whose process groups implement isend/irecv, which every TIDE transport uses.
@@ -237,12 +312,13 @@ def all_gather_bounded(
     mine: torch.Tensor, group: dist.ProcessGroup, what: str, timeout_s: float | None = None
 ) -> list[torch.Tensor]:
     """Every rank's ``mine`` (same shape on all), bounded by ``timeout_s`` (None: the group's timeout)."""
+    require_usable(group, what)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     try:
         work = dist.all_gather(everyone, mine, group=group, async_op=True)
     except RuntimeError as exc:
         raise peer_error(exc, what, group, None) from exc
-    wait_all([(None, work)], what, group, timeout_s)
+    wait_all([(None, work)], what, group, timeout_s, [mine, *everyone])
     return everyone
 
 

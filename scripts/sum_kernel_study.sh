@@ -22,7 +22,7 @@
 # (a copy of the checkout may have no git repository of its own).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: scripts/sum_kernel_study.sh OUTDIR [study|final]}
+study_out=${1:?usage: scripts/sum_kernel_study.sh OUTDIR [study|final|check]}
 mode=${2:-study}
 case $mode in
   study) default_budget=390 rounds=3 bench_json=sum-kernels.json ;;
@@ -30,8 +30,8 @@ case $mode in
   check) default_budget=150 rounds=5 bench_json=$(date -u +%F)-sum-kernels-auto.json ;;
   *) echo "mode must be study, final or check, not $mode" >&2 && exit 2 ;;
 esac
-mkdir -p "$out"
-out=$(cd "$out" && pwd)
+mkdir -p "$study_out"
+study_out=$(cd "$study_out" && pwd)
 budget=${TIDE_STUDY_BUDGET_S:-$default_budget}
 pack_reserve=15  # seconds kept for packing
 work=$(mktemp -d /tmp/sum-kernel-study.XXXXXX)/sum-kernel-study
@@ -89,15 +89,15 @@ pack() {
     echo "== ncu headlines"
     cat "$work/ncu-headlines.txt" 2>/dev/null
   } > "$work/summary.txt"
-  cp "$work/summary.txt" "$out/summary.txt"
-  [ "$mode" != study ] && [ -f "$work/$bench_json" ] && cp "$work/$bench_json" "$out/"
+  cp "$work/summary.txt" "$study_out/summary.txt"
+  [ "$mode" != study ] && [ -f "$work/$bench_json" ] && cp "$work/$bench_json" "$study_out/"
   local base
   base=$(dirname "$work")
-  tar czf "$out/sum-kernel-study.tar.gz" -C "$base" sum-kernel-study
-  if [ "$(stat -c %s "$out/sum-kernel-study.tar.gz")" -gt $((15 << 20)) ]; then  # what comes back: <= 16 MiB
-    tar czf "$out/sum-kernel-study.tar.gz" -C "$base" --exclude "*.ncu-rep" sum-kernel-study
+  tar czf "$study_out/sum-kernel-study.tar.gz" -C "$base" sum-kernel-study
+  if [ "$(stat -c %s "$study_out/sum-kernel-study.tar.gz")" -gt $((15 << 20)) ]; then  # what comes back: <= 16 MiB
+    tar czf "$study_out/sum-kernel-study.tar.gz" -C "$base" --exclude "*.ncu-rep" sum-kernel-study
   fi
-  echo "packed: $out/summary.txt, $out/sum-kernel-study.tar.gz ($(stat -c %s "$out/sum-kernel-study.tar.gz") bytes)"
+  echo "packed: $study_out/summary.txt, $study_out/sum-kernel-study.tar.gz ($(stat -c %s "$study_out/sum-kernel-study.tar.gz") bytes)"
   rm -rf "$base"
 }
 trap pack EXIT

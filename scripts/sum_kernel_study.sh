@@ -94,7 +94,7 @@ pack() {
   local base
   base=$(dirname "$work")
   tar czf "$study_out/sum-kernel-study.tar.gz" -C "$base" sum-kernel-study
-  if [ "$(stat -c %s "$study_out/sum-kernel-study.tar.gz")" -gt $((15 << 20)) ]; then  # what comes back: <= 16 MiB
+  if [ "$(stat -c %s "$study_out/sum-kernel-study.tar.gz")" -gt $((15 << 20)) ]; then  # keep the archive under 16 MiB
     tar czf "$study_out/sum-kernel-study.tar.gz" -C "$base" --exclude "*.ncu-rep" sum-kernel-study
   fi
   echo "packed: $study_out/summary.txt, $study_out/sum-kernel-study.tar.gz ($(stat -c %s "$study_out/sum-kernel-study.tar.gz") bytes)"

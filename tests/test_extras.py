@@ -50,5 +50,21 @@ def test_the_test_extra_covers_every_optional_framework():
 
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert extras["all"] == ["tide-fsdp[lightning,accelerate,examples,bench]"]
-    assert "tide-fsdp[all]" in extras["test"] and any(r.startswith("pytest") for r in extras["test"])
+
+    def closure(name: str) -> tuple[set, list]:
+        """The extras ``name`` pulls in (itself included) and their requirements on other packages."""
+        names, requirements = {name}, []
+        for requirement in extras[name]:
+            if requirement.startswith("tide-fsdp["):
+                for inner in requirement[len("tide-fsdp[") : -1].split(","):
+                    inner_names, inner_requirements = closure(inner)
+                    names |= inner_names
+                    requirements += inner_requirements
+            else:
+                requirements.append(requirement)
+        return names, requirements
+
+    names, requirements = closure("test")
+    assert {"all", "lightning", "accelerate", "examples", "bench"} <= names, names
+    assert any(r.startswith("pytest") for r in requirements), requirements
     assert not any(name.startswith("nccl") for name in extras)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 
 import torch
@@ -84,6 +85,48 @@ def add_common_args(parser: argparse.ArgumentParser, *, tide_from_launch: bool =
     parser.add_argument("--compare-stock", action="store_true", help="run stock FSDP2 first, then TIDE, and compare")
     parser.add_argument("--seed", type=int, default=0, help="seed of the initialisation and the data order")
     return parser
+
+
+SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus: ranks that share a GPU
+
+
+def ranks_share_gpus(args) -> bool:
+    """More processes asked for than GPUs visible (at least one): the ranks share the GPUs."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return 0 < gpus < args.devices
+
+
+def launch_ranks_sharing_gpus(args, argv: list[str]) -> int:
+    """Run this script as ``args.devices`` processes on fewer GPUs, rank r on visible GPU r mod count.
+
+    Lightning and NCCL take one process per GPU, so each rank is started here as one "node" of one
+    device (``NODE_RANK``, ``LOCAL_RANK=0``, ``CUDA_VISIBLE_DEVICES`` naming its GPU), the processes
+    talk over gloo, and TIDE maps their arenas through CUDA IPC (``TIDE_SHARE_GPUS=1``). For trying
+    and testing on a one-GPU machine: ranks sharing a GPU time-slice it, so timings say nothing of
+    speed-ups."""
+    import socket
+    import subprocess
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = []
+    for rank in range(args.devices):
+        env = dict(
+            os.environ,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            WORLD_SIZE=str(args.devices),
+            NODE_RANK=str(rank),
+            LOCAL_RANK="0",
+            CUDA_VISIBLE_DEVICES=gpus[rank % len(gpus)],
+            **{SHARED_GPUS_ENV: "1"},
+        )
+        procs.append(subprocess.Popen([sys.executable, *argv], env=env))
+    codes = [p.wait() for p in procs]
+    return next((code for code in codes if code), 0)
 
 
 def build_model(args) -> torch.nn.Module:
@@ -200,7 +243,12 @@ def comparison_table(rows: list[dict]) -> str:
                 f"layout copies avoided: {t['copy_outs_avoided']} all-gather copy-outs "
                 f"({t['copy_out_gb_avoided']:.3f} GB) and {t['packings_avoided']} reduce-scatter packings"
             )
-    if gpu and stock is not None and len(rows) == 2 and stock["tokens_per_s"]:
+    if gpu and os.environ.get(SHARED_GPUS_ENV) == "1":
+        lines.append(
+            "The ranks shared GPUs (TIDE_SHARE_GPUS=1) and time-sliced them: tokens/s is no speed-up figure; "
+            "losses, bytes and peak memory per rank hold as on one GPU per rank."
+        )
+    elif gpu and stock is not None and len(rows) == 2 and stock["tokens_per_s"]:
         tide = rows[1] if rows[0] is stock else rows[0]
         lines.append(
             f"TIDE vs stock: {100 * (tide['tokens_per_s'] / stock['tokens_per_s'] - 1):+.1f}% tokens/s, "

@@ -4,6 +4,9 @@
     python examples/finetune_lightning.py --compare-stock  # stock FSDP2 first, then TIDE, side by side
     python examples/finetune_lightning.py --model-path /path/to/llama  # local Hugging Face weights
 
+With fewer GPUs than ``--devices`` (default: the GPU count, at least 2) the ranks share the GPUs:
+the script starts them itself over gloo with ``TIDE_SHARE_GPUS=1`` (see ``launch_ranks_sharing_gpus``).
+
 The only TIDE-specific line is the strategy: ``Trainer(strategy=TIDEFSDPStrategy(mode="in_place"))``
 (or ``strategy="tide_fsdp"`` after ``import tide_lightning``). ``TIDE_ENABLED=0`` runs the same
 strategy on stock FSDP2 collectives (its row reads "tide (off)").
@@ -28,6 +31,8 @@ from common import (
     build_model,  # noqa: E402
     comparison_table,
     encode_corpus,
+    launch_ranks_sharing_gpus,
+    ranks_share_gpus,
     tide_is_on,
 )
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
@@ -91,9 +96,12 @@ class CausalLM(L.LightningModule):
 def run(args, strategy, name: str) -> dict:
     L.seed_everything(args.seed, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
+    # Ranks sharing GPUs were started one per "node" (launch_ranks_sharing_gpus)
+    devices, nodes = (1, args.devices) if ranks_share_gpus(args) else (args.devices, 1)
     trainer = L.Trainer(
         accelerator=accelerator,
-        devices=args.devices,
+        devices=devices,
+        num_nodes=nodes,
         strategy=strategy,
         max_steps=args.steps,
         logger=CSVLogger(args.log_dir, name=name),
@@ -123,10 +131,15 @@ def main(argv=None) -> int:
     parser.add_argument("--log-dir", default="runs/lightning", help="Lightning's CSV logs (tide/* metrics per step)")
     parser.add_argument("--save-checkpoint", default=None, help="save a (distributed) checkpoint of the TIDE run here")
     args = parser.parse_args(argv)
+    shared = ranks_share_gpus(args)
+    if shared and "LOCAL_RANK" not in os.environ:
+        return launch_ranks_sharing_gpus(args, [os.path.abspath(__file__), *(sys.argv[1:] if argv is None else argv)])
+    backend = {"process_group_backend": "gloo"} if shared else {}  # NCCL refuses two ranks on one GPU
     rows = []
     if args.compare_stock:
-        rows.append(run(args, ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1), "stock"))
-    rows.append(run(args, TIDEFSDPStrategy(mode=args.mode, transport=args.transport), "tide"))
+        stock = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1, **backend)
+        rows.append(run(args, stock, "stock"))
+    rows.append(run(args, TIDEFSDPStrategy(mode=args.mode, transport=args.transport, **backend), "tide"))
     if int(os.environ.get("LOCAL_RANK", "0")) == 0 and os.environ.get("NODE_RANK", "0") == "0":
         print(comparison_table(rows), flush=True)
     return 0

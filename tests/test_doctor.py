@@ -50,3 +50,11 @@ def test_text_report_names_torch_native_gpus_and_settings():
 def test_unknown_command_prints_usage():
     result = subprocess.run([sys.executable, "-m", "tide_core"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "python -m tide_core doctor" in result.stderr
+
+
+def test_the_report_says_how_ranks_sharing_a_gpu_are_treated():
+    off = doctor.collect({})["ranks_sharing_a_gpu"]
+    on = doctor.collect({"TIDE_SHARE_GPUS": "1"})["ranks_sharing_a_gpu"]
+    assert off["share_gpus"] is False and "keep stock collectives" in off["meaning"], off
+    assert on["share_gpus"] is True and "CUDA IPC" in on["meaning"], on
+    assert "ranks sharing a GPU (share_gpus=True)" in doctor.render(doctor.collect({"TIDE_SHARE_GPUS": "1"}))

@@ -116,6 +116,24 @@ def _transports(native_info: dict, gpus: dict, nccl) -> dict:
     }
 
 
+def _sharing(environ, gpus: dict) -> dict:
+    """How the CUDA transport treats ranks that share a GPU (``share_gpus``), as set here."""
+    try:
+        enabled = TIDEConfig.from_env(environ=environ).share_gpus
+    except ValueError as exc:  # a bad TIDE_* value is the tide_env section's to show
+        return {"share_gpus": None, "meaning": str(exc)}
+    if enabled:
+        meaning = (
+            "ranks of a group that share a GPU map their arenas through CUDA IPC (gloo between them; "
+            "timings are no speed-up figure); the nccl rail is refused there"
+        )
+    else:
+        meaning = "groups whose ranks share a GPU raise (transport='cuda') or keep stock collectives ('auto')"
+    if gpus["count"] == 1:
+        meaning += "; one GPU here: more than one rank per node shares it (TIDE_SHARE_GPUS=1 serves them)"
+    return {"share_gpus": enabled, "meaning": meaning}
+
+
 def _tide_env(environ) -> dict:
     known = {env_var(name) for name in TIDEConfig.names()} | set(OTHER_ENV_VARS)
     tide = sorted((key, value) for key, value in environ.items() if key.startswith("TIDE_"))
@@ -140,6 +158,7 @@ def collect(environ=None) -> dict:
             "multicast_settings": {name: environ.get(name) for name in MULTICAST_ENV_VARS},
         },
         **_transports(native_info, gpus, nccl),
+        "ranks_sharing_a_gpu": _sharing(environ, gpus),
         "tide_env": _tide_env(environ),
     }
 
@@ -188,6 +207,8 @@ def render(report: dict) -> str:
     lines += [f"  {name}: {_can(entry)}" for name, entry in report["transports"].items()]
     lines.append("rails (multi-node groups):")
     lines += [f"  {name}: {_can(entry)}" for name, entry in report["rails"].items()]
+    sharing = report["ranks_sharing_a_gpu"]
+    lines.append(f"ranks sharing a GPU (share_gpus={sharing['share_gpus']}): {sharing['meaning']}")
     lines += ["", "TIDE_* settings in effect:" if report["tide_env"] else "TIDE_* settings in effect: none"]
     for key, entry in report["tide_env"].items():
         lines.append(f"  {key}={entry['value']}" + ("" if entry["known"] else "  (not a TIDE setting: ignored)"))

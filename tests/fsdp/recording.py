@@ -1,10 +1,12 @@
 """Running one training scenario under stock FSDP2 and under TIDE, and comparing the runs.
 
 A scenario is a module-level function ``scenario(mode, rank, **kwargs)`` that builds its model,
-trains through a ``Recorder`` (mode None: stock FSDP2, else TIDE in that mode, reference transport)
-and returns ``Recorder.finish()``. ``run_scenarios`` runs each on the ranks of one launch, stock
-first; the ranks compare the runs and keep only the largest differences, the served-group count,
-the fallback reasons and the gradient dtypes.
+trains through a ``Recorder`` (mode None: stock FSDP2, else TIDE in that mode) and returns
+``Recorder.finish()``. ``run_scenarios`` runs each on the ranks of one launch, stock first; the
+ranks compare the runs and keep only the largest differences, the served-group count, the fallback
+reasons and the gradient dtypes. Scenarios run on the CPU with TIDE's reference transport, or with
+``on_gpu=True`` on each rank's GPU with the CUDA transport (stock FSDP2 there runs on the launch's
+process group: NCCL, or gloo where ranks share a GPU); models and inputs go to ``scenario_device()``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,14 @@ import torch.nn as nn
 from tests.fsdp.models import TinyLM, loss_fn
 
 MODES = ("in_place", "slot_reuse")
+_where = {"device": "cpu", "transport": "reference"}  # set by run_scenarios in each rank
+
+
+def scenario_device() -> torch.device:
+    """Where the running scenarios build their models and inputs."""
+    if _where["device"] == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -28,7 +38,8 @@ class Recorder:
         import tide_core
 
         self.model = model
-        self.handle = tide_core.install(model, mode=mode, transport="reference", **options) if mode else None
+        transport = _where["transport"]
+        self.handle = tide_core.install(model, mode=mode, transport=transport, **options) if mode else None
         self.losses: list[torch.Tensor] = []
         self.grads: list[dict] = []
         self.grad_dtypes: list[dict] = []  # per step: parameter name -> its sharded gradient's dtype
@@ -108,8 +119,10 @@ def compare(stock: dict, run: dict) -> dict:
     }
 
 
-def run_scenarios(rank: int, world_size: int, scenarios: dict, names: list[str]) -> dict:
+def run_scenarios(rank: int, world_size: int, scenarios: dict, names: list[str], on_gpu: bool = False) -> dict:
     """``scenarios``: name -> (scenario, kwargs); runs ``names`` of them, stock first."""
+    if on_gpu:
+        _where.update(device="cuda", transport="cuda")
     summary = {}
     for name in names:
         scenario, kwargs = scenarios[name]
@@ -178,7 +191,7 @@ def lm_tokens(rank: int, n: int):
 def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None):
     opt = adam(model)
     for step, tokens in enumerate(lm_tokens(rank, steps)):
-        loss = loss_fn(model, tokens)
+        loss = loss_fn(model, tokens.to(scenario_device()))
         rec.backward(loss)
         if clip is not None:
             rec.loss(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor())

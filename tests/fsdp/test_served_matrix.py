@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from tests.fsdp.models import RMSNorm, TinyLM
-from tests.fsdp.recording import Recorder, assert_exact, lm_steps, merged, run_scenarios
+from tests.fsdp.recording import Recorder, assert_exact, lm_steps, merged, run_scenarios, scenario_device
 from tide_core.fsdp.profiles import torch_version
 
 # -- model builders --------------------------------------------------------------------------------
@@ -32,6 +32,7 @@ def _shard(model: nn.Module, blocks, *, mesh=None, reshard=True, **mp) -> nn.Mod
     kw = {"reshard_after_forward": reshard, "mp_policy": MixedPrecisionPolicy(**mp)}
     if mesh is not None:
         kw["mesh"] = mesh
+    model.to(scenario_device())
     for block in blocks:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
@@ -108,6 +109,7 @@ def _hf_steps(model, rec: Recorder, rank: int, vocab: int, steps: int = 3):
 
     opt = adam(model)
     for step, tokens in enumerate(_hf_tokens(rank, steps, vocab)):
+        tokens = tokens.to(scenario_device())
         rec.backward(model(input_ids=tokens, labels=tokens).loss)
         rec.step(opt, step % 2 == 0)
     return rec.finish()

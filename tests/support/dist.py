@@ -5,6 +5,10 @@
 ``fn(rank, world_size, *args)`` must be a module-level function (it is pickled). Workers start
 from a forkserver that has torch preloaded, so a 2-process run costs about a second. Fault tests
 that kill a rank name it in ``exits`` ({rank: exit code}); its result is then ``("exited", code)``.
+
+``backend="cuda"`` runs the ranks on the visible GPUs, rank r on GPU r mod count: one rank per GPU
+over NCCL where there are enough GPUs, else ranks share GPUs over gloo (NCCL refuses two ranks on
+one GPU) with ``TIDE_SHARE_GPUS=1`` (``gpus_shared()`` tells a rank which case it is in).
 """
 
 from __future__ import annotations
@@ -38,6 +42,30 @@ class DistributedTestError(AssertionError):
     pass
 
 
+SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus's variable
+
+
+def cuda_backend(world_size: int) -> tuple[str, dict]:
+    """(backend, environment) for ``world_size`` ranks on the visible GPUs (``backend="cuda"``)."""
+    import torch
+
+    if torch.cuda.device_count() >= world_size:
+        return "nccl", {}
+    return "gloo", {SHARED_GPUS_ENV: "1"}
+
+
+def gpus_shared() -> bool:
+    """Inside a ``backend="cuda"`` rank: whether ranks share GPUs (pass it as ``share_gpus``)."""
+    return os.environ.get(SHARED_GPUS_ENV) == "1"
+
+
+def rank_device(rank: int):
+    """The GPU of ``rank`` under ``backend="cuda"``."""
+    import torch
+
+    return torch.device("cuda", rank % torch.cuda.device_count())
+
+
 def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
     os.environ.update(env)
     os.environ.update(
@@ -57,7 +85,7 @@ def _worker(fn, rank, world_size, port, backend, args, results, env, timeout):
     torch.set_num_threads(1)
     faulthandler.dump_traceback_later(max(1.0, timeout - 5), exit=False)  # a hang leaves every thread's stack
     try:
-        if backend == "nccl":
+        if backend == "nccl" or env.get(SHARED_GPUS_ENV) == "1":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend,
@@ -92,7 +120,10 @@ def run_distributed(
     port = free_port()
     results = ctx.Queue()
     env = dict(env or {})
-    if backend == "nccl":
+    if backend == "cuda":
+        backend, sharing = cuda_backend(world_size)
+        env = {**sharing, **env}
+    if backend == "nccl" or env.get(SHARED_GPUS_ENV) == "1":
         env.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "32")  # more hardware queues for TIDE's streams
     procs = [
         ctx.Process(

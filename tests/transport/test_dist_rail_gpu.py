@@ -14,7 +14,9 @@ import pytest
 from tests.support.dist import run_distributed
 from tests.transport.test_cuda_gpu import _rail_suite
 
-pytestmark = pytest.mark.cuda(gpus=2)
+pytestmark = pytest.mark.cuda(
+    gpus=2, why="NCCL between distinct GPUs (its network path between hosts; NCCL refuses two ranks on one GPU)"
+)
 
 NETWORK_PATH = {
     "NCCL_P2P_DISABLE": "1",

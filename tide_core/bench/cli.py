@@ -184,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--iters", type=int, default=20, help="timed calls per system (default 20)")
     p.add_argument(
+        "--ranks",
+        type=int,
+        default=None,
+        help="processes (default: one per GPU, 2 on CPU); more than the GPUs share them (TIDE_SHARE_GPUS=1, "
+        "gloo): memory and correctness figures only, timings are no speed-up figure",
+    )
+    p.add_argument(
         "--nodes",
         type=int,
         default=1,

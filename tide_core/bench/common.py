@@ -23,14 +23,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus
+
+
 def launch(worker, args, world_size: int | None = None, backend: str | None = None):
-    """Run ``worker(rank, world_size, args)`` on every visible GPU (or 2 CPU processes with gloo),
-    unless already inside a torchrun-style launch (WORLD_SIZE set)."""
+    """Run ``worker(rank, world_size, args)`` on ``world_size`` processes (default: ``args.ranks``,
+    else one per visible GPU, or 2 CPU processes with gloo), unless already inside a torchrun-style
+    launch (WORLD_SIZE set). More processes than GPUs share them (rank r on GPU r mod count, gloo,
+    ``TIDE_SHARE_GPUS=1``): for memory and correctness, never for speed."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         _init(backend)
         return _run(worker, args)
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    world_size = world_size or (gpus if gpus >= 1 else 2)
+    world_size = world_size or getattr(args, "ranks", None) or (gpus if gpus >= 1 else 2)
+    if 0 < gpus < world_size:
+        os.environ[SHARED_GPUS_ENV] = "1"  # inherited by the spawned ranks
+        backend = "gloo"  # NCCL refuses two ranks on one GPU
     port = free_port()
     import torch.multiprocessing as mp
 
@@ -66,7 +74,7 @@ def _run(worker, args):
 
 def _init(backend: str | None) -> None:
     use_cuda = torch.cuda.is_available() and backend != "gloo"
-    if use_cuda:
+    if use_cuda or (torch.cuda.is_available() and os.environ.get(SHARED_GPUS_ENV) == "1"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])) % torch.cuda.device_count())
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // int(os.environ["WORLD_SIZE"])))
     dist.init_process_group(backend or ("nccl" if use_cuda else "gloo"))

@@ -1,13 +1,16 @@
-"""Symmetric (peer-mapped) device memory for the CUDA transport, from torch's symmetric memory.
+"""Symmetric (peer-mapped) device memory for the CUDA transport.
 
-Uses torch.distributed._symmetric_memory with its CUDA backend (plain P2P mappings; multicast
-is never requested). ``symm_mem.empty`` allocates from
-a torch MemPool, so ``torch.cuda.memory_reserved()`` accounts for the arena.
+One GPU per rank: torch's symmetric memory (torch.distributed._symmetric_memory, its CUDA backend:
+plain P2P mappings; multicast is never requested), allocated from a torch MemPool, so
+``torch.cuda.memory_reserved()`` accounts for the arena. Ranks that share a GPU (``share_gpus``):
+torch's symmetric memory refuses them, so ``IpcAllocator`` maps each rank's segments into the
+others through CUDA IPC handles, the way torch.multiprocessing shares CUDA storage.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 
 import torch
 import torch.distributed as dist
@@ -85,4 +88,55 @@ class NodeSymmetricAllocator:
         peers: list = [None] * self.topology.world_size
         for local, ptr in enumerate(node_peers):
             peers[self.topology.rank(self.node, local)] = ptr
+        return base, peers
+
+
+def shared_gpus(group: dist.ProcessGroup, device: torch.device) -> list[list[int]]:
+    """The ranks of ``group`` (group ranks) that run on one GPU with another rank, one list per such
+    GPU; empty when every rank has a GPU of its own. Collective. A GPU is its host and UUID, so
+    differing ``CUDA_VISIBLE_DEVICES`` orders do not hide a shared one."""
+    mine = (socket.gethostname(), str(torch.cuda.get_device_properties(device).uuid))
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    ranks_of: dict = {}
+    for rank, gpu in enumerate(everyone):
+        ranks_of.setdefault(gpu, []).append(rank)
+    return [ranks for ranks in ranks_of.values() if len(ranks) > 1]
+
+
+class IpcAllocator:
+    """Allocates arena segments that every rank of ``group`` maps through CUDA IPC (``Allocator``):
+    for ranks that share a GPU, which torch's symmetric memory refuses, and any mix of shared and
+    own GPUs on one host. A segment comes from torch's caching allocator (so
+    ``torch.cuda.memory_reserved()`` counts it) and is shared as torch.multiprocessing shares CUDA
+    storage: each peer opens the segment's IPC handle once, and the mapping lives as long as the
+    arena. Not registrable with NCCL (``pool`` is None)."""
+
+    pool = None
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device):
+        self.group, self.device = group, device
+        self.mappings: list[torch.Tensor] = []  # peers' segments opened here, kept with the arena
+
+    def __call__(self, name: str, nbytes: int):
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        with torch.cuda.device(self.device):
+            base = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            torch.cuda.synchronize(self.device)  # a peer's first write must find the allocation done
+            everyone: list = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(everyone, reduce_tensor(base), group=self.group)
+            me = dist.get_rank(self.group)
+            peers = []
+            for rank, (rebuild, args) in enumerate(everyone):
+                if rank == me:
+                    peers.append(base.data_ptr())
+                    continue
+                mapped = rebuild(*args)
+                if mapped.numel() != nbytes:
+                    raise TransportError(
+                        f"segment {name!r}: rank {rank} shared {mapped.numel()} bytes, {nbytes} expected"
+                    )
+                self.mappings.append(mapped)
+                peers.append(mapped.data_ptr())
         return base, peers

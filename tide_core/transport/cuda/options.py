@@ -71,6 +71,12 @@ class CudaSettings:
     #: Latin-square wave width W (None: L) and rail round width k (multi-node).
     wave_width: int | None = None
     round_width: int = 2
+    #: Let ranks of one group share a GPU (more processes than GPUs: tests, demos and development on
+    #: a one-GPU machine). torch's symmetric memory refuses such groups, so the arena is then mapped
+    #: between the ranks through CUDA IPC handles; groups on distinct GPUs keep symmetric memory
+    #: whatever the setting. Ranks sharing a GPU time-slice it: their timings are no speed-up figure.
+    #: The ``nccl`` rail (NCCL refuses two ranks on one GPU) is refused there.
+    share_gpus: bool = False
 
     def __post_init__(self) -> None:
         choices = {"sum_kernel": SUM_KERNELS, "local_copy": LOCAL_COPIES, "rail": RAILS}
@@ -78,6 +84,8 @@ class CudaSettings:
             value = getattr(self, name)
             if value not in allowed:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
+        if not isinstance(self.share_gpus, bool):
+            raise ValueError(f"share_gpus={self.share_gpus!r} must be True or False")
         for name in ("sum_ctas", "chunk_slots", "copy_lanes", "local_copy_ctas", "round_width"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
@@ -119,6 +127,7 @@ class CudaOptions(CudaSettings):
         "rail",
         "recycle_outbox",
         "register_rail_buffers",
+        "share_gpus",
     )
 
     @classmethod

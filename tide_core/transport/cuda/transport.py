@@ -32,6 +32,7 @@ from tide_core.transport.cuda.memory import SymmetricMap
 from tide_core.transport.cuda.options import CudaOptions
 from tide_core.transport.cuda.streams import Streams
 from tide_core.transport.faults import ALL_GATHER, REDUCE_SCATTER, Call, Fault, Faults
+from tide_core.transport.rail import choose_rail
 
 log = logging.getLogger("tide")
 
@@ -95,22 +96,19 @@ class CudaTransport(Transport):
             raise TransportError(f"gpus_per_node={L}: the sum kernel stages at most 15 peers")
         if backend is None:
             from tide_core.runtime.device import CudaDevice
-            from tide_core.runtime.symmetric import NodeSymmetricAllocator, SymmetricAllocator
 
             device = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
             backend = CudaDevice(device, sum_kernel=options.sum_kernel)
-            allocator = allocator or (
-                SymmetricAllocator(self.groups.group, device)
-                if single_host
-                else NodeSymmetricAllocator(self.groups, device)
-            )
         self.dev = backend
         self.device = torch.device(device) if device is not None else backend.device
-        self.arena = Arena(allocator)
         self.faults = faults if isinstance(faults, Faults) else Faults(faults or ())
         # Ranks that size or pace the protocol differently would allocate different symmetric
         # segments and wait on flags nobody writes: abort on every rank now, naming the field.
         check_agreement(options.protocol(), self.groups.group, "CudaTransport", self.timeout_s)
+        self.shared_gpus: list[list[int]] = []  # group ranks that share a GPU, per GPU
+        if allocator is None:
+            allocator = self._allocator(single_host)
+        self.arena = Arena(allocator)
 
         pieces = piece_elems(options.sum_slice_bytes)
         self.rail = None
@@ -179,6 +177,36 @@ class CudaTransport(Transport):
             group=self.groups.group.group_name,
         )
 
+    def _allocator(self, single_host: bool):
+        """torch's symmetric memory, or CUDA IPC mappings where ranks of the group share a GPU
+        (``share_gpus``); every rank takes the same branch (``shared_gpus`` is collective)."""
+        from tide_core.runtime.symmetric import IpcAllocator, NodeSymmetricAllocator, SymmetricAllocator, shared_gpus
+
+        group = self.groups.group
+        self.shared_gpus = shared_gpus(group, self.device)
+        if not self.shared_gpus:
+            return (
+                SymmetricAllocator(group, self.device)
+                if single_host
+                else NodeSymmetricAllocator(self.groups, self.device)
+            )
+        sharing = "; ".join(
+            "ranks " + ", ".join(str(dist.get_global_rank(group, r)) for r in ranks) + " share one GPU"
+            for ranks in self.shared_gpus
+        )
+        if not self.options.share_gpus:
+            raise TransportError(
+                f"{sharing}: torch's symmetric memory cannot map their arenas. Set share_gpus=True "
+                "(TIDE_SHARE_GPUS=1) to map them through CUDA IPC (ranks sharing a GPU time-slice it: "
+                "for tests and development, not for speed), or run one rank per GPU"
+            )
+        if not single_host or (self.topology.nodes > 1 and choose_rail(self.options.rail, single_host) == "nccl"):
+            raise TransportError(
+                f"{sharing}: share_gpus serves groups on one host over the p2p rail only (the nccl rail "
+                "needs one GPU per rank: NCCL refuses two ranks on one GPU)"
+            )
+        return IpcAllocator(group, self.device)
+
     def _register_rail_buffers(self, pool) -> Registration:
         if not self.options.register_rail_buffers:
             return Registration(False, "not registered with NCCL (register_rail_buffers=False)")
@@ -196,6 +224,12 @@ class CudaTransport(Transport):
             )
         if self.registration is not None:
             lines.append(f"rail buffers: {self.registration.reason}")
+        if self.shared_gpus:
+            lines.append(
+                "ranks sharing a GPU (share_gpus): "
+                + "; ".join("ranks " + ", ".join(map(str, ranks)) for ranks in self.shared_gpus)
+                + " of the group; arena mapped through CUDA IPC; timings are not a speed-up figure"
+            )
         return lines
 
     # -- fail-stop ---------------------------------------------------------------------------------

@@ -1,0 +1,46 @@
+"""The served matrix on a GPU with the CUDA transport (marked `cuda`; run by scripts/gpu).
+
+The setups fine-tuning users run by default (``test_served_matrix.SETUPS``), two ranks, each trained
+under stock FSDP2 and under TIDE in both modes on the ranks' GPU(s): every group must be served by
+the CUDA transport, with losses, gradients and parameters bitwise equal to stock's (two-rank shard
+groups sum ``a + b`` either way, rounded once). Stock runs on the launch's process group: NCCL with
+one GPU per rank, gloo where the ranks share one GPU (gloo stages CUDA tensors through the host).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.fsdp.recording import assert_exact, merged, run_scenarios
+from tests.fsdp.test_served_matrix import SETUPS
+
+pytestmark = pytest.mark.cuda
+
+ON_GPU = [
+    "fp32",
+    "bf16 model (model.to(bf16))",
+    "bf16 policy, fp32 reduce",
+    "Accelerate's bf16 policy (bf16 reduce)",
+    "bf16 weights, frozen fp32 norms",
+    "activation checkpointing (torch), bf16 model",
+    "torch.compile per block after fully_shard, bf16 model",
+    "LoRA (peft) on a bf16 Llama",
+]
+
+
+@pytest.fixture(scope="module")
+def on_gpu():
+    from tests.support.dist import run_distributed
+
+    return merged(run_distributed(run_scenarios, 2, args=(SETUPS, ON_GPU, True), backend="cuda", timeout=900))
+
+
+@pytest.mark.parametrize("name", ON_GPU)
+def test_every_group_served_by_the_cuda_transport_with_stocks_results(on_gpu, name):
+    for mode, r in on_gpu[name].items():
+        print(
+            f"\n{name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss {r['loss']:.3g} "
+            f"grad {r['grad']:.3g} param {r['param']:.3g}"
+        )
+        assert r["served"] == r["groups"] and not r["reasons"], (name, r)
+    assert_exact(on_gpu, name)

@@ -96,6 +96,18 @@ def ranks_share_gpus(args) -> bool:
     return 0 < gpus < args.devices
 
 
+def launched_ranks_share_gpus() -> bool:
+    """Inside a launch (torchrun, ``accelerate launch``): more ranks on this host than GPUs visible.
+    Then the ranks share the GPUs (rank r on GPU r mod count, as Accelerate places them): TIDE maps
+    their arenas through CUDA IPC (``TIDE_SHARE_GPUS=1``, set here) and the processes need gloo."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    if 0 < gpus < local:
+        os.environ[SHARED_GPUS_ENV] = "1"
+        return True
+    return False
+
+
 def launch_ranks_sharing_gpus(args, argv: list[str]) -> int:
     """Run this script as ``args.devices`` processes on fewer GPUs, rank r on visible GPU r mod count.
 

@@ -21,7 +21,7 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import FullyShardedDataParallelPlugin
+from accelerate.utils import FullyShardedDataParallelPlugin, InitProcessGroupKwargs
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from tqdm.auto import tqdm
 
@@ -34,6 +34,7 @@ from common import (
     build_model,  # noqa: E402
     comparison_table,
     encode_corpus,
+    launched_ranks_share_gpus,
     tide_is_on,
 )
 
@@ -51,7 +52,10 @@ def make_accelerator(args) -> Accelerator:
     )
     # Fields not given here fall back to the launch config's fsdp_config (FSDP_* variables).
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, mixed_precision_policy=policy)
-    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", fsdp_plugin=plugin)
+    # More processes than GPUs (a one-GPU machine): the ranks share them over gloo (NCCL refuses two
+    # ranks on one GPU), and TIDE maps their arenas through CUDA IPC.
+    handlers = [InitProcessGroupKwargs(backend="gloo")] if launched_ranks_share_gpus() else []
+    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", fsdp_plugin=plugin, kwargs_handlers=handlers)
     if not accelerator.is_fsdp2:
         raise SystemExit(
             f"this example needs FSDP2, but Accelerate chose {accelerator.distributed_type} on "

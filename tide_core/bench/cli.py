@@ -187,8 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--ranks",
         type=int,
         default=None,
-        help="processes (default: one per GPU, 2 on CPU); more than the GPUs share them (TIDE_SHARE_GPUS=1, "
-        "gloo): memory and correctness figures only, timings are no speed-up figure",
+        help="processes (default: one per GPU, 2 on CPU; stress: gloo processes per run, default 4); more than "
+        "the GPUs share them (TIDE_SHARE_GPUS=1, gloo): memory and correctness figures only, no speed-up figure",
     )
     p.add_argument(
         "--nodes",
@@ -236,7 +236,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--trace", action="store_true", help="ag/rs: write compact profiler traces to --scratch")
     p.add_argument("--runs", type=int, default=10, help="stress: runs, each on fresh processes")
-    p.add_argument("--ranks", type=int, default=4, help="stress: gloo processes per run")
     p.add_argument("--cycles", type=int, default=3, help="stress: install cycles and fault trials per run")
     p.add_argument("--seed", type=int, default=0, help="stress: run i uses seed + i")
     p.add_argument(

@@ -28,6 +28,12 @@ def llama3_8b(layers: int = 8) -> ModelConfig:
     return ModelConfig("llama3-8b", 4096, layers, 32, 8, 128, 14336, 128256)
 
 
+def llama32_1b(layers: int = 16) -> ModelConfig:
+    """Llama-3.2-1B geometry (hidden 2048, 32 heads of 64, 8 KV heads, FFN 8192): 1.24B parameters
+    at 16 layers with an untied head."""
+    return ModelConfig("llama3.2-1b", 2048, layers, 32, 8, 64, 8192, 128256)
+
+
 def qwen3_moe(layers: int = 8, experts: int = 64) -> ModelConfig:
     """Qwen3-30B-A3B geometry (hidden 2048, 32 heads of 128, 4 KV heads, 768 per expert, top-8)
     with fewer layers and experts so three copies fit two GPUs."""
@@ -43,7 +49,7 @@ def tiny_moe(layers: int = 2) -> ModelConfig:
     return ModelConfig("tiny-moe", 64, layers, 4, 2, 16, 32, 256, experts=8, top_k=2)
 
 
-MODELS = {"llama3-8b": llama3_8b, "qwen3-moe": qwen3_moe, "tiny": tiny, "tiny-moe": tiny_moe}
+MODELS = {"llama3-8b": llama3_8b, "llama3.2-1b": llama32_1b, "qwen3-moe": qwen3_moe, "tiny": tiny, "tiny-moe": tiny_moe}
 
 
 class RMSNorm(nn.Module):

@@ -45,6 +45,23 @@ def loss_summary(losses: dict) -> tuple[str, dict]:
     return text, {"spread": spread, "tide_diff": tide_diff}
 
 
+def memory_row(tokens, system: str, point: dict, stock: dict | None) -> list:
+    """One row of the memory-only table: every rank's peaks, the difference from stock (rank 0) and
+    the memory model's prediction of the collective state beside it."""
+    per_rank = point.get("per_rank") or [(point["peak_allocated"], point["peak_reserved"])]
+    model = point.get("model")
+    stock_model = (stock or {}).get("model")
+    return [
+        tokens,
+        system,
+        " / ".join(f"{a / GiB:.2f}" for a, _ in per_rank),
+        " / ".join(f"{r / GiB:.2f}" for _, r in per_rank),
+        f"{(point['peak_allocated'] - stock['peak_allocated']) / GiB:+.2f}" if stock else "-",
+        f"{model['total'] / GiB:.2f}" if model else "-",
+        f"{(model['total'] - stock_model['total']) / GiB:+.2f}" if model and stock_model else "-",
+    ]
+
+
 def peak_tables(memory: dict) -> list[str]:
     """Markdown lines: for each tokens point, what is live at each system's peak allocated, from
     ``--memory-detail`` (rank 0); nothing when no system has it."""
@@ -110,15 +127,29 @@ def write_train_report(args) -> Path:
     losses = _load(args.scratch, f"{model}-loss.json")
     if timing is None and losses is None:  # a memory-only run
         rows = [
-            [tokens, s, f"{point['peak_allocated'] / GiB:.2f}", f"{point['peak_reserved'] / GiB:.2f}"]
+            memory_row(tokens, s, point, (memory.get("stock") or {}).get(tokens))
             for s, m in memory.items()
             if m
             for tokens, point in m.items()
         ]
         body = [
-            markdown_table(["tokens/GPU", "system", "peak alloc GiB", "peak reserved GiB"], rows),
+            markdown_table(
+                [
+                    "tokens/GPU",
+                    "system",
+                    "peak alloc GiB (per rank)",
+                    "peak reserved GiB (per rank)",
+                    "alloc - stock GiB",
+                    "model: collective state GiB",
+                    "model - stock GiB",
+                ],
+                rows,
+            ),
             "",
-            "Each system in its own launch; peak over two steps after a warm-up step.",
+            "Each system in its own launch; peak over two steps after a warm-up step. Model: the memory "
+            "model's live bytes of the largest group's collective state in backward (tide_core.plan.memory."
+            "backward_live_bytes: stock 4NS; TIDE two ring slots, receive stage, staging as allocated, "
+            "In-Place the previous layer's bf16 gradients), beside the measured difference from stock.",
             *peak_tables(memory),
         ]
         return write_result(args.out, f"memory-{model}", f"Training step memory: {model}", "\n".join(body))

@@ -291,7 +291,7 @@ def run_stress(args) -> int:
     }
     rows = []
     for run in range(args.runs):
-        row = run_once(run, args.seed + run, args.ranks, options, scratch)
+        row = run_once(run, args.seed + run, args.ranks or 4, options, scratch)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "errors"}), flush=True)
         for error in row["errors"][:2]:

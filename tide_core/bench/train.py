@@ -158,7 +158,7 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
         print("[train] --memory-detail needs CUDA and torch.cuda.memory._record_memory_history; skipped", flush=True)
     if detail:  # before build, so that parameters, optimizer state and the arena carry their stacks
         memory_detail.record_block_stacks()
-    model, opt, _ = build(config, system, ac=args.ac)
+    model, opt, handle = build(config, system, ac=args.ac)
     out = {}
     for tokens in args.tokens:
         timed_steps(model, opt, config.vocab, tokens, 1, rank, 0)  # allocate optimizer state and arena
@@ -170,9 +170,13 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
         if detail:
             resident = memory_detail.record_events()
         timed_steps(model, opt, config.vocab, tokens, 2, rank, 1)
+        peaks: list = [None] * world_size
+        dist.all_gather_object(peaks, (torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
         out[tokens] = {
-            "peak_allocated": torch.cuda.max_memory_allocated(),
-            "peak_reserved": torch.cuda.max_memory_reserved(),
+            "peak_allocated": peaks[0][0],
+            "peak_reserved": peaks[0][1],
+            "per_rank": peaks,  # (allocated, reserved) of every rank
+            "model": predicted_collective_bytes(model, system, world_size, handle),
         }
         if detail:
             snapshot = memory_detail.stop_events()
@@ -185,6 +189,23 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
     del model, opt
     gc.collect()
     return out
+
+
+def predicted_collective_bytes(model, system: str, world_size: int, handle) -> dict:
+    """The memory model's live bytes of the largest group's collective state in backward
+    (``plan.memory.backward_live_bytes``, one node of ``world_size`` ranks, bf16 shards), by
+    component; TIDE's reduce-scatter staging as its transport allocated it."""
+    from tide_core.plan.memory import backward_live_bytes
+
+    largest = max(sum(p.to_local().numel() for p in layer.parameters()) for layer in model.layers)
+    shard_bytes = largest * 2  # this rank's bf16 shard of the largest group
+    staging = None
+    if handle is not None:
+        staging = max((t.staging_bytes for t in handle.transports.values() if hasattr(t, "staging_bytes")), default=0)
+    live = backward_live_bytes(
+        system, nodes=1, gpus_per_node=world_size, shard_bytes=shard_bytes, staging_bytes=staging
+    )
+    return {"total": live.total, **live.components}
 
 
 def loss_pass(rank: int, world_size: int, args) -> dict:

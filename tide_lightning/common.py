@@ -43,7 +43,6 @@ class TIDEOptions:
         activation_checkpointing,
         block_classes,
         reshard_after_forward,
-        tensor_parallel_size,
         tide_options: dict,
     ):
         if enabled not in (None, True, False):
@@ -63,11 +62,6 @@ class TIDEOptions:
         ):
             raise ValueError(f"reshard_after_forward={reshard_after_forward!r} must be True, False or an int > 1")
         self.reshard_after_forward = reshard_after_forward
-        if tensor_parallel_size not in (1, "auto"):
-            raise ValueError(
-                f"tensor_parallel_size={tensor_parallel_size!r} is not supported by the TIDE strategies; "
-                "TIDE serves FSDP2 data parallelism, use tensor_parallel_size=1"
-            )
 
     def policy_dtypes(self, precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
         """The MixedPrecisionPolicy (param_dtype, reduce_dtype) the strategy's own sharding uses
@@ -125,10 +119,90 @@ class TIDEOptions:
 DEFAULT_TIMEOUT = timedelta(minutes=30)
 
 
+def check_parallel_size(value, name: str):
+    """A mesh size as Lightning takes it (a positive int or "auto"), or None: left unset."""
+    if value is None or value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"{name}={value!r} must be a positive int, 'auto' (Lightning's meaning) or None (unset)")
+
+
+def has_fsdp2_module(module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def has_parameters(module) -> bool:
+    return next(iter(module.parameters()), None) is not None
+
+
+def nothing_to_serve(module, otherwise: str) -> str:
+    """The one line logged when the set-up model has no FSDP2 module: TIDE installs nothing.
+    ``otherwise``: why, for a model that has parameters."""
+    cause = otherwise if has_parameters(module) else "it has no parameters"
+    return (
+        f"TIDE installs nothing: the model has no FSDP2 module ({cause}); it is set up as "
+        "ModelParallelStrategy sets it up"
+    )
+
+
+def tensor_parallel_needs_user_sharding(tensor_parallel_size: int, where: str) -> ValueError:
+    return ValueError(
+        f"tensor_parallel_size={tensor_parallel_size}: the strategy's own sharding is FSDP2 over every rank and "
+        f"applies no tensor-parallel plan; in {where}, apply your plan (parallelize_module) on "
+        'device_mesh["tensor_parallel"] and fully_shard on device_mesh["data_parallel"], or leave '
+        "tensor_parallel_size unset"
+    )
+
+
+class ReplicatedParameters:
+    """Parameters the strategy's own sharding leaves outside FSDP2 (registered on the LightningModule
+    itself, whose forward is not what runs, so it cannot be an FSDP2 root): kept whole on every rank,
+    rank 0's values broadcast at set-up and their gradients averaged over the data-parallel group
+    after every backward, as DDP does. Averaging the accumulated gradient again after a later
+    micro-batch is still the average (the part already averaged is equal on every rank)."""
+
+    def __init__(self, named: list[tuple[str, torch.nn.Parameter]], process_group):
+        import torch.distributed as dist
+
+        self.named = named
+        self.process_group = process_group
+        self.size = dist.get_world_size(process_group)
+        with torch.no_grad():
+            for _, p in named:
+                dist.broadcast(p.data, src=dist.get_global_rank(process_group, 0), group=process_group)
+
+    def average_gradients(self) -> None:
+        import torch.distributed as dist
+
+        params = [p for _, p in self.named if p.requires_grad]
+        if not params or self.size == 1:
+            return
+        # Which parameters have a gradient on some rank: those get the average (None counts as zero).
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.float32, device=params[0].device)
+        dist.all_reduce(has_grad, group=self.process_group)
+        reduced = [p for p, n in zip(params, has_grad.tolist()) if n > 0]
+        for dtype in sorted({p.dtype for p in reduced}, key=str):
+            same = [p for p in reduced if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            dist.all_reduce(flat, group=self.process_group)
+            flat.div_(self.size)
+            offset = 0
+            for p in same:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def describe(self) -> str:
+        names = ", ".join(f"{n} {list(p.shape)}{'' if p.requires_grad else ' (frozen)'}" for n, p in self.named)
+        return (
+            f"  outside FSDP2, replicated on every rank (gradients averaged over the {self.size}-rank data-parallel "
+            f"group after each backward, as DDP does): {names}"
+        )
+
+
 class TIDEStrategyMixin:
-    """What the Trainer and Fabric strategies share: registry names and the data-parallel default.
-    Listed before ModelParallelStrategy in each strategy's bases, its methods override that
-    strategy's."""
+    """What the Trainer and Fabric strategies share: registry names and the mesh sizes. Listed before
+    ModelParallelStrategy in each strategy's bases, its methods override that strategy's."""
 
     _registry = None  # the Lightning registry the subclass registers with
 
@@ -147,8 +221,19 @@ class TIDEStrategyMixin:
 
     @override
     def setup_environment(self) -> None:
-        # ModelParallelStrategy's default (data parallel size = number of nodes) shards nothing on
-        # one node; TIDE is FSDP2 data parallelism over every rank.
-        if self._data_parallel_size == "auto":
-            self._data_parallel_size = self.num_nodes * self.num_processes
+        # Unset sizes (None) make the mesh FSDP2 over every rank: ModelParallelStrategy's defaults
+        # ("auto": data parallel = number of nodes, tensor parallel = processes per node) shard
+        # nothing on one node. A size passed means what it means in Lightning; the other one,
+        # unset, takes the rest of the world.
+        world = self.num_nodes * self.num_processes
+        dp, tp = self._data_parallel_size, self._tensor_parallel_size
+        dp = self.num_nodes if dp == "auto" else dp
+        tp = self.num_processes if tp == "auto" else tp
+        if dp is None and tp is None:
+            dp, tp = world, 1
+        elif dp is None:
+            dp = max(world // tp, 1)
+        elif tp is None:
+            tp = max(world // dp, 1)
+        self._data_parallel_size, self._tensor_parallel_size = dp, tp
         super().setup_environment()

@@ -3,7 +3,11 @@
 ``fabric = Fabric(strategy=TIDEFabricStrategy())`` (or ``strategy="tide_fsdp"`` after importing
 tide_lightning); ``fabric.setup(model)`` shards each transformer block and the root unless a
 ``parallelize_fn`` is given, then installs TIDE. The strategy's own sharding follows Fabric's
-``precision`` and ``enabled=False`` keeps stock collectives, as in ``TIDEFSDPStrategy``.
+``precision`` and ``enabled=False`` keeps stock collectives, as in ``TIDEFSDPStrategy``; so do the
+mesh sizes (unset: FSDP2 over every rank; with tensor parallelism the plan and ``fully_shard`` are
+the ``parallelize_fn``'s). A model left without FSDP2 modules (no parameters, or a
+``parallelize_fn`` that does not call ``fully_shard``) is set up as ModelParallelStrategy sets it
+up, and TIDE installs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +19,16 @@ from lightning.fabric.strategies import STRATEGY_REGISTRY, ModelParallelStrategy
 from lightning.fabric.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions, TIDEStrategyMixin
+from tide_lightning.common import (
+    DEFAULT_TIMEOUT,
+    TIDEOptions,
+    TIDEStrategyMixin,
+    check_parallel_size,
+    has_fsdp2_module,
+    has_parameters,
+    nothing_to_serve,
+    tensor_parallel_needs_user_sharding,
+)
 
 
 class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
@@ -31,8 +44,8 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         activation_checkpointing: bool = False,
         block_classes: list[str] | str | None = None,
         reshard_after_forward: bool | int = True,
-        data_parallel_size: int | str = "auto",
-        tensor_parallel_size: int | str = 1,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -51,14 +64,13 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             block_classes=block_classes,
             reshard_after_forward=reshard_after_forward,
-            tensor_parallel_size=tensor_parallel_size,
             tide_options=tide_options,
         )
         self._user_parallelize_fn = parallelize_fn
         super().__init__(
             parallelize_fn=self._parallelize,
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=1,
+            data_parallel_size=check_parallel_size(data_parallel_size, "data_parallel_size"),
+            tensor_parallel_size=check_parallel_size(tensor_parallel_size, "tensor_parallel_size"),
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -69,6 +81,10 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         if self._user_parallelize_fn is not None:
             self.tide.warn_dtypes_unused("parallelize_fn")
             return self._user_parallelize_fn(module, mesh)
+        if not has_parameters(module):
+            return module  # nothing to shard
+        if self._tensor_parallel_size != 1:
+            raise tensor_parallel_needs_user_sharding(self._tensor_parallel_size, "parallelize_fn")
         return self.tide.shard(module, mesh["data_parallel"], self.precision.precision)
 
     @override
@@ -76,6 +92,9 @@ class TIDEFabricStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         import tide_core
 
         module = super().setup_module(module)
+        if not has_parameters(module) or not has_fsdp2_module(module):
+            rank_zero_info(nothing_to_serve(module, "parallelize_fn did not call fully_shard"))
+            return module
         self.tide_handle = tide_core.install(module, config=self.tide.config)
         rank_zero_info(self.tide_handle.report())
         return module

@@ -1,13 +1,18 @@
 """``TIDEFSDPStrategy``: Lightning's FSDP2 strategy (ModelParallelStrategy) with TIDE collectives.
 
 Differences from ModelParallelStrategy, all aimed at "one line to switch on":
-* data parallel size defaults to the world size (ModelParallelStrategy's default, dp = number of
-  nodes, shards nothing on one node);
+* ``data_parallel_size``/``tensor_parallel_size`` left unset make the mesh FSDP2 over every rank
+  (ModelParallelStrategy's defaults, "auto", shard nothing on one node); a size passed, "auto"
+  included, means what it means in ModelParallelStrategy, and the unset one takes the rest;
 * ``configure_model`` is optional: if the LightningModule does not call ``fully_shard`` itself,
   the strategy wraps each transformer block (and optional activation checkpointing) and then
-  each top-level child, with the dtypes the Trainer's ``precision`` asks for (see ``__init__``);
+  each top-level child with parameters (frozen ones included), with the dtypes the Trainer's
+  ``precision`` asks for (see ``__init__``); parameters registered on the LightningModule itself
+  stay replicated, their gradients averaged over the data-parallel group as DDP does. With
+  tensor parallelism the plan and ``fully_shard`` are the user's, in ``configure_model``;
 * TIDE is installed after the model is sharded and materialized, before the optimizers; once,
-  even though ``setup`` runs again for validate/test;
+  even though ``setup`` runs again for validate/test; a model without FSDP2 modules (no
+  parameters) is set up as ModelParallelStrategy sets it up, and TIDE installs nothing;
 * the install report is logged once and per-step TIDE metrics go to the Trainer's loggers;
 * ``enabled=False`` (or ``TIDE_ENABLED=0``) keeps stock FSDP2 collectives for every group, so the
   same script compares stock and TIDE.
@@ -27,7 +32,17 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from tide_lightning.common import DEFAULT_TIMEOUT, TIDEOptions, TIDEStrategyMixin
+from tide_lightning.common import (
+    DEFAULT_TIMEOUT,
+    ReplicatedParameters,
+    TIDEOptions,
+    TIDEStrategyMixin,
+    check_parallel_size,
+    has_fsdp2_module,
+    has_parameters,
+    nothing_to_serve,
+    tensor_parallel_needs_user_sharding,
+)
 
 
 class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
@@ -43,8 +58,8 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         block_classes: list[str] | str | None = None,
         reshard_after_forward: bool | int = True,
         log_metrics: bool = True,
-        data_parallel_size: int | str = "auto",
-        tensor_parallel_size: int | str = 1,
+        data_parallel_size: int | str | None = None,
+        tensor_parallel_size: int | str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = DEFAULT_TIMEOUT,
@@ -62,6 +77,8 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         (param_dtype) and reduce in fp32; "bf16-true"/"16-true" no cast (Lightning converts the
         model, FSDP2 computes and reduces in that dtype). An explicit param_dtype/reduce_dtype
         replaces its own dtype, with a warning naming it and the precision when they differ.
+        data_parallel_size/tensor_parallel_size: ModelParallelStrategy's, "auto" included; left
+        unset (None), FSDP2 over every rank, or the rest of the world when the other is given.
         tide_options: any other TIDEConfig field."""
         if log_metrics and "profile" not in tide_options:
             tide_options["profile"] = True  # CUDA event timings of each collective for the metrics
@@ -74,12 +91,11 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
             activation_checkpointing=activation_checkpointing,
             block_classes=block_classes,
             reshard_after_forward=reshard_after_forward,
-            tensor_parallel_size=tensor_parallel_size,
             tide_options=tide_options,
         )
         super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=1,
+            data_parallel_size=check_parallel_size(data_parallel_size, "data_parallel_size"),
+            tensor_parallel_size=check_parallel_size(tensor_parallel_size, "tensor_parallel_size"),
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
@@ -87,9 +103,17 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         self.log_metrics = log_metrics
         self.tide_handle = None
         self._sharded_here = False  # the strategy called fully_shard (not the LightningModule)
+        self._installed = False  # install ran (or found nothing to serve): once, not again for validate/test
+        self._replicated_names: list[str] = []  # the LightningModule's own parameters, outside FSDP2
+        self.replicated: ReplicatedParameters | None = None
 
     @override
     def setup(self, trainer) -> None:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
+            super().setup(trainer)  # Lightning's own TypeError (its configure_model check comes first)
+            return
         self._shard_unless_sharded()
         if self.log_metrics:
             from tide_lightning.callbacks import TIDEMetricsCallback
@@ -101,11 +125,11 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
             return
         # ModelParallelStrategy.setup raises TypeError for a LightningModule without configure_model
         # before any hook runs, and the strategy's own sharding serves such a module. So this runs
-        # what that setup adds to Strategy.setup, less that check: the FSDP1 check (done above), the
-        # meta-device materialization and a barrier, then Strategy.setup itself (accelerator,
-        # precision conversion, model_to_device, optimizers). The materialization is Lightning's
-        # private _materialize_distributed_module: it must precede the precision conversion, and
-        # ModelParallelStrategy.setup calls it inline, with no hook of its own.
+        # what that setup adds to Strategy.setup, less that check: the meta-device materialization
+        # and a barrier (the FSDP1 check went to Lightning above), then Strategy.setup itself
+        # (accelerator, precision conversion, model_to_device, optimizers). The materialization is
+        # Lightning's private _materialize_distributed_module: it must precede the precision
+        # conversion, and ModelParallelStrategy.setup calls it inline, with no hook of its own.
         from lightning.fabric.utilities.init import _materialize_distributed_module
 
         _materialize_distributed_module(self.model, self.root_device)
@@ -117,31 +141,52 @@ class TIDEFSDPStrategy(TIDEStrategyMixin, ModelParallelStrategy):
         import tide_core
 
         super().model_to_device()
-        if self.tide_handle is None:  # once, not again when setup runs for validate/test
+        if self._installed:  # once, not again when setup runs for validate/test
+            return
+        self._installed = True
+        report = []
+        if self._replicated_names:
+            named = [(name, getattr(self.model, name)) for name in self._replicated_names]
+            self.replicated = ReplicatedParameters(named, self.device_mesh["data_parallel"].get_group())
+            report.append(self.replicated.describe())
+        if has_fsdp2_module(self.model):
             self.tide_handle = tide_core.install(self.model, config=self.tide.config)
-            rank_zero_info(self.tide_handle.report())
+            report.insert(0, self.tide_handle.report())
+        else:
+            # The strategy's own sharding leaves no FSDP2 module only when no child has parameters.
+            report.insert(0, nothing_to_serve(self.model, "only the LightningModule itself has parameters"))
+        rank_zero_info("\n".join(report))
+
+    @override
+    def post_backward(self, closure_loss) -> None:
+        super().post_backward(closure_loss)
+        if self.replicated is not None:
+            self.replicated.average_gradients()
 
     def _shard_unless_sharded(self) -> None:
-        """The strategy's own sharding, unless the LightningModule called fully_shard; before
-        Lightning's setup materializes the model."""
-        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
+        """The strategy's own sharding, unless the LightningModule called fully_shard or has no
+        parameters; before Lightning's setup materializes the model."""
         assert self.model is not None
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError("TIDEFSDPStrategy serves FSDP2 (fully_shard); the model contains FSDP1 modules")
-        if not any(isinstance(m, FSDPModule) for m in self.model.modules()):
-            self._shard(self.model)
-            self._sharded_here = True
-        elif not self._sharded_here and self.tide_handle is None:  # once, not again for validate/test
-            self.tide.warn_dtypes_unused("configure_model")
+        if has_fsdp2_module(self.model):
+            if not self._sharded_here and not self._installed:  # once, not again for validate/test
+                self.tide.warn_dtypes_unused("configure_model")
+            return
+        if not has_parameters(self.model):
+            return
+        if self._tensor_parallel_size != 1:
+            raise tensor_parallel_needs_user_sharding(self._tensor_parallel_size, "configure_model")
+        self._shard(self.model)
+        self._sharded_here = True
 
     def _shard(self, lightning_module) -> None:
-        """Shard each top-level child with parameters as its own FSDP2 root (the LightningModule's
-        forward is usually not what runs, so it cannot be the root)."""
+        """Shard each top-level child with parameters, trainable or frozen, as its own FSDP2 root
+        (the LightningModule's forward is usually not what runs, so it cannot be the root). The
+        LightningModule's own parameters stay replicated (ReplicatedParameters)."""
         mesh = self.device_mesh["data_parallel"]
         for name, child in list(lightning_module.named_children()):
-            if any(p.requires_grad for p in child.parameters()):
+            if has_parameters(child):
                 setattr(lightning_module, name, self.tide.shard(child, mesh, self.precision_plugin.precision))
+        self._replicated_names = [name for name, _ in lightning_module.named_parameters(recurse=False)]
 
     @override
     def teardown(self) -> None:

@@ -168,3 +168,26 @@ def test_a_cast_after_install_hands_the_groups_to_stock_with_the_reason():
     for reasons, diff in run_distributed(_cast_after_install, 2, timeout=90):
         assert reasons and all(r and "parameters cast after install" in r for r in reasons), reasons
         assert diff == 0.0
+
+
+def _unsharded_model_and_switched_off(rank, world_size):
+    import tide_core
+    from tide_core.errors import TIDEError
+
+    try:
+        tide_core.install(torch.nn.Linear(4, 4))
+        raised = None
+    except TIDEError as exc:
+        raised = str(exc)
+    return {"raised": raised, "off": tide_core.install(build(), enabled=False).report()}
+
+
+def test_install_on_an_unsharded_model_raises_and_switched_off_reports_one_line():
+    """The framework strategies install nothing on a model without FSDP2 modules; install itself
+    keeps its error. Switched off, the report is one line, not one row per group."""
+    for r in run_distributed(_unsharded_model_and_switched_off, 2, timeout=90):
+        assert r["raised"] == "model has no FSDP2 module: call fully_shard(...) before tide_core.install(model)"
+        assert (
+            r["off"]
+            == "TIDE is switched off (enabled=False): stock FSDP2 collectives run for all 5 FSDP2 parameter group(s)"
+        )

@@ -155,6 +155,15 @@ def reduce_dtypes(net) -> list[str]:
     return [str(accessors.reduce_dtype(pg)) for _, pg, _ in accessors.fsdp_param_groups(net)]
 
 
+def switched_off_in_one_line(handle) -> bool:
+    """The report of TIDE switched off: one line saying so, not a row per group."""
+    report = handle.report()
+    return (
+        report.startswith("TIDE is switched off (enabled=False): stock FSDP2 collectives run")
+        and len(report.splitlines()) == 1
+    )
+
+
 def digest(net) -> str:
     """This rank's parameter shards, bit for bit."""
     h = hashlib.sha256()
@@ -245,7 +254,7 @@ def matrix_fit(precision: str, sharding: str, system: str, steps: int) -> dict:
         "groups": len(handle.entries) if handle else None,
         "served": len(handle.served_groups) if handle else None,
         "mode": handle.config.mode if handle else None,
-        "switched_off": "TIDE is switched off (enabled=False)" in handle.report() if handle else None,
+        "switched_off": switched_off_in_one_line(handle) if handle else None,
     }
 
 
@@ -378,7 +387,7 @@ def fabric_matrix(args) -> dict:
                 **dtypes,
                 "groups": len(handle.entries) if handle else None,
                 "served": len(handle.served_groups) if handle else None,
-                "switched_off": "TIDE is switched off (enabled=False)" in handle.report() if handle else None,
+                "switched_off": switched_off_in_one_line(handle) if handle else None,
                 "reloaded": reloaded,
             }
     os.environ.pop("TIDE_ENABLED", None)

@@ -116,3 +116,83 @@ def test_every_method_that_overrides_lightnings_is_marked_override():
     assert {"TIDEFSDPStrategy.setup", "TIDEFabricStrategy.setup_module", "TIDEFabricStrategy.setup_environment"} <= set(
         checked
     )
+
+
+def resolved_mesh_sizes(strategy, num_nodes: int, devices: int) -> tuple[int, int]:
+    """The (data parallel, tensor parallel) sizes a strategy's setup_environment gives the mesh,
+    with the process group and the mesh itself mocked out (as Lightning's own tests do)."""
+    from unittest import mock
+
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+
+    strategy._setup_distributed = mock.Mock()
+    strategy._accelerator = mock.Mock()
+    strategy._lightning_module = mock.Mock()
+    strategy.cluster_environment = mock.Mock(
+        world_size=mock.Mock(return_value=num_nodes * devices), local_rank=mock.Mock(return_value=0)
+    )
+    strategy.parallel_devices = [torch.device("cpu")] * devices
+    strategy.num_nodes = num_nodes
+    package = "fabric" if isinstance(strategy, FabricModelParallelStrategy) else "pytorch"
+    with mock.patch(f"lightning.{package}.strategies.model_parallel._setup_device_mesh") as setup_mesh:
+        strategy.setup_environment()
+    dp, tp, world, _ = setup_mesh.call_args.args
+    assert world == num_nodes * devices
+    return dp, tp
+
+
+@pytest.mark.parametrize(
+    "num_nodes, devices, sizes, expected",
+    [
+        (1, 4, {}, (4, 1)),  # unset: FSDP2 over every rank
+        (2, 4, {}, (8, 1)),
+        (1, 4, {"tensor_parallel_size": 2}, (2, 2)),  # the unset size takes the rest of the world
+        (2, 4, {"data_parallel_size": 2}, (2, 4)),
+        (1, 4, {"tensor_parallel_size": "auto"}, (1, 4)),  # "auto": processes per node
+        (2, 4, {"data_parallel_size": "auto"}, (2, 4)),  # "auto": number of nodes
+    ],
+)
+@pytest.mark.parametrize("strategy", [TIDEFSDPStrategy, TIDEFabricStrategy])
+def test_mesh_sizes_unset_or_one_passed(strategy, num_nodes, devices, sizes, expected):
+    assert resolved_mesh_sizes(strategy(**sizes), num_nodes, devices) == expected
+
+
+@pytest.mark.parametrize(
+    "num_nodes, devices, sizes",
+    [
+        (1, 4, {"data_parallel_size": "auto", "tensor_parallel_size": "auto"}),
+        (2, 4, {"data_parallel_size": "auto", "tensor_parallel_size": "auto"}),
+        (1, 4, {"data_parallel_size": 2, "tensor_parallel_size": 2}),
+        (2, 2, {"data_parallel_size": 4, "tensor_parallel_size": 1}),
+    ],
+)
+def test_mesh_sizes_passed_mean_what_they_mean_in_lightning(num_nodes, devices, sizes):
+    from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    for tide, stock in (
+        (TIDEFSDPStrategy(**sizes), ModelParallelStrategy(**sizes)),
+        (TIDEFabricStrategy(**sizes), FabricModelParallelStrategy(lambda m, _: m, **sizes)),
+    ):
+        assert resolved_mesh_sizes(tide, num_nodes, devices) == resolved_mesh_sizes(stock, num_nodes, devices)
+
+
+def test_tensor_parallel_without_the_users_sharding_says_where_the_plan_goes():
+    from unittest import mock
+
+    import lightning as L
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(2, 2)
+
+    trainer_strategy = TIDEFSDPStrategy(tensor_parallel_size=2)
+    resolved_mesh_sizes(trainer_strategy, 1, 4)
+    trainer_strategy.model = Module()
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: .* in configure_model, apply your plan"):
+        trainer_strategy._shard_unless_sharded()
+    fabric_strategy = TIDEFabricStrategy(tensor_parallel_size=2)
+    resolved_mesh_sizes(fabric_strategy, 1, 4)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: .* in parallelize_fn, apply your plan"):
+        fabric_strategy._parallelize(torch.nn.Linear(2, 2), mock.Mock())

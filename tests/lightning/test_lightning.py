@@ -14,8 +14,10 @@ pytest.importorskip("lightning")
 APP = Path(__file__).with_name("app.py")
 
 
-def run_app(*args, timeout=180) -> dict:
-    proc = subprocess.run([sys.executable, str(APP), *args], capture_output=True, text=True, timeout=timeout)
+def run_app(*args, app: str = APP.name, timeout=180) -> dict:
+    """Run a script of this folder (Lightning launches its other ranks); its RESULT line, parsed."""
+    script = APP.with_name(app)
+    proc = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
@@ -80,7 +82,7 @@ def test_trainer_precision_drives_dtypes_and_tide_matches_stock(trainer_matrix, 
 def test_trainer_strategy_switched_off_is_stock_fsdp2(trainer_matrix, precision, sharding):
     stock, off = (trainer_matrix[f"{precision}/{sharding}/{system}"] for system in ("stock", "off"))
     assert off["strategy"] == "TIDEFSDPStrategy" and off["served"] == 0 and off["groups"] == 4
-    assert off["switched_off"] is True  # every group's report row says why
+    assert off["switched_off"] is True  # the report's one line says so
     assert_dtypes(off, precision, sharding)
     assert off["losses"] == stock["losses"] and off["digest"] == stock["digest"]
 
@@ -151,7 +153,8 @@ def test_checkpoint_save_and_resume(tmp_path):
     [
         ({"mode": "fast"}, "mode='fast' is not supported; choose one of in_place, slot_reuse"),
         ({"transport": "nvshmem"}, "transport='nvshmem' is not supported; choose one of auto, reference, cuda"),
-        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2 is not supported"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be a positive int, 'auto'"),
+        ({"data_parallel_size": "all"}, "data_parallel_size='all' must be a positive int, 'auto'"),
         ({"param_dtype": "int8"}, "param_dtype='int8' is not a dtype"),
         ({"reshard_after_forward": "yes"}, "reshard_after_forward='yes' must be"),
         ({"enabled": "no"}, "enabled='no' must be True, False or None"),

@@ -129,6 +129,11 @@ class TIDEHandle:
         return out
 
     def report(self) -> str:
+        if not self.config.enabled:  # nothing is patched: one line, not one per group
+            return (
+                f"TIDE is switched off (enabled=False): stock FSDP2 collectives run for all "
+                f"{len(self.entries)} FSDP2 parameter group(s)"
+            )
         served = self.served_groups
         lines = [
             f"TIDE {self.config.mode} on {len(self.entries)} FSDP2 parameter group(s): {len(served)} served, "
@@ -359,7 +364,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     model.__dict__[_HANDLE_ATTR] = handle
     if dist.get_rank() == 0:
         for e in entries:
-            if e.served is None:
+            if e.served is None and config.enabled:  # switched off: the report's one line says so
                 log.warning("TIDE: group %d (%s) runs stock collectives: %s", e.index, e.name, e.reason)
         log.info("%s", handle.report())
     return handle

@@ -36,7 +36,10 @@ from tide_core.transport.faults import ALL_GATHER, REDUCE_SCATTER, Call, Fault, 
 log = logging.getLogger("tide")
 
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
-RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
+# Added to a flag kind's own counter to unblock its pending waits after a stall. Flags compare
+# cyclically in 32 bits, so each kind is released from its own counter: the all-gather epoch and
+# the reduce-scatter chunk sequence drift apart without bound over a long run.
+RELEASE_STEP = 1 << 24
 
 
 class CudaWork:
@@ -200,7 +203,11 @@ class CudaTransport(Transport):
 
     # -- fail-stop ---------------------------------------------------------------------------------
     def _release_after_stall(self, what: str) -> None:
-        self.dev.release_flags(self.memory.flag_words(), max(self.ag_epoch, self.rs_seq) + RELEASE_STEP)
+        for all_gather, counter in ((True, self.ag_epoch), (False, self.rs_seq)):
+            words = self.memory.flag_words(all_gather)
+            if self.rail is not None:
+                words += self.rail.signal_words(all_gather)
+            self.dev.release_flags(words, counter + RELEASE_STEP)
 
     def _check_alive(self) -> None:
         self.watchdog.check()

@@ -40,6 +40,7 @@ void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std:
 
 void copy_kernel_py(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
                     const std::vector<uint64_t>& sizes, int ctas, uint64_t stream) {
+  tide::check_ctas(ctas, "copy");
   for (const auto& args : tide::make_copy_args(dsts, srcs, sizes)) tide::launch_copy(args, ctas, stream);
 }
 
@@ -80,6 +81,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.attr("MAX_SOURCES") = tide::kMaxSources;
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
+  m.attr("MAX_CTAS") = tide::kMaxCtas;
+  m.attr("MAX_TMA_TILE") = tide::kTmaMaxTile;
   // CudaOptions.sum_kernel's names, and tma_lean (auto's choice where TMA applies) for measurements.
   m.attr("SUM_KERNELS") =
       py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto), py::arg("regs") = static_cast<int>(tide::kSumRegs),

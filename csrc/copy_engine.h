@@ -11,6 +11,8 @@ void memcpy_batch(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>
                   const std::vector<uint64_t>& sizes, uint64_t stream, bool prefer_overlap);
 
 // `height` rows of `width` bytes, source pitch `spitch`, destination pitch `dpitch`.
+// A 2-D copy's rows must not overlap: width <= both pitches (where there is more than one row).
+void check_copy_2d(uint64_t dpitch, uint64_t spitch, uint64_t width, uint64_t height);
 void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uint64_t width, uint64_t height,
                uint64_t stream);
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tide_core.runtime.device import check_copy_args, check_sum_args
+from tide_core.runtime.device import check_copy_2d_args, check_copy_args, check_ctas, check_sum_args
 from tide_core.runtime.program import CALLER, ProgramRecorder, ReplayedProgram
 
 _WORD = ctypes.c_uint32
@@ -163,6 +163,8 @@ class EmulatedDevice:
         self._copies(stream, dsts, srcs, sizes, self.push_delay_s)
 
     def copy_2d(self, stream, dst, dpitch, src, spitch, width, height):
+        check_copy_2d_args(dpitch, spitch, width, height)
+
         def run():
             if self.copy_delay_s:
                 time.sleep(self.copy_delay_s)
@@ -174,6 +176,7 @@ class EmulatedDevice:
 
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
         check_copy_args("copy", dsts, srcs, sizes)
+        check_ctas("copy", ctas)
         self._copies(stream, dsts, srcs, sizes, self.copy_delay_s)  # a kernel: not slowed like the copy engines
 
     def host_step(self, stream, step):
@@ -235,7 +238,7 @@ class EmulatedDevice:
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas):
         staged, segments = list(staged), list(segments)
-        check_sum_args(out, staged, segments, first, dtype, self.max_sources, self.max_segments)
+        check_sum_args(out, staged, segments, first, count, dtype, ctas, self.max_sources, self.max_segments)
 
         def read(address, n):
             if n == 0:

@@ -93,6 +93,10 @@ PYBIND11_MODULE(_C, m) {
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");
   m.def("memcpy_2d", &tide::memcpy_2d, py::arg("dst"), py::arg("dpitch"), py::arg("src"), py::arg("spitch"),
         py::arg("width"), py::arg("height"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def("memcpy_2d_probe", &tide::memcpy_2d_probe, py::arg("dst"), py::arg("src"), py::arg("pitch"), py::arg("width"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Whether the driver takes a one-row 2-D copy with this pitch: the cudaError_t, 0 if taken.");
+  m.def("device_max_pitch", &tide::device_max_pitch, "The current device's cudaDevAttrMaxPitch.");
   m.def("stream_memops_available", &tide::stream_memops_available);
   m.def("stream_write_u32", &tide::stream_write_u32, py::arg("stream"), py::arg("addresses"), py::arg("value"),
         py::call_guard<py::gil_scoped_release>(), "cuStreamWriteValue32 to each address (with a memory barrier).");

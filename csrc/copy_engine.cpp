@@ -51,4 +51,18 @@ void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uin
       cudaMemcpy2DAsync(as_ptr(dst), dpitch, as_ptr(src), spitch, width, height, cudaMemcpyDefault, as_stream(stream)));
 }
 
+int memcpy_2d_probe(uint64_t dst, uint64_t src, uint64_t pitch, uint64_t width, uint64_t stream) {
+  const cudaError_t err =
+      cudaMemcpy2DAsync(as_ptr(dst), pitch, as_ptr(src), pitch, width, 1, cudaMemcpyDefault, as_stream(stream));
+  if (err != cudaSuccess) cudaGetLastError();  // a refused argument is not sticky: clear it
+  return static_cast<int>(err);
+}
+
+int64_t device_max_pitch() {
+  int device = 0, pitch = 0;
+  TIDE_CUDA_CHECK(cudaGetDevice(&device));
+  TIDE_CUDA_CHECK(cudaDeviceGetAttribute(&pitch, cudaDevAttrMaxPitch, device));
+  return pitch;
+}
+
 }  // namespace tide

@@ -16,4 +16,11 @@ void check_copy_2d(uint64_t dpitch, uint64_t spitch, uint64_t width, uint64_t he
 void memcpy_2d(uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch, uint64_t width, uint64_t height,
                uint64_t stream);
 
+// Whether the driver takes a 2-D copy with pitches `pitch`: one row of `width` bytes from src to
+// dst, so nothing past either is touched. Returns the cudaError_t (0: taken), cleared if not.
+int memcpy_2d_probe(uint64_t dst, uint64_t src, uint64_t pitch, uint64_t width, uint64_t stream);
+
+// The current device's reported maximum pitch (cudaDevAttrMaxPitch).
+int64_t device_max_pitch();
+
 }  // namespace tide

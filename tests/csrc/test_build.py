@@ -24,6 +24,8 @@ def test_extension_was_built_and_exposes_its_primitives():
         "event_query",
         "stream_wait_event",
         "stream_memops_available",
+        "memcpy_2d_probe",
+        "device_max_pitch",
         "tma_available",
         "runtime_version",
         "build_info",

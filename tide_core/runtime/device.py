@@ -7,6 +7,8 @@ tests (``tests/support/emulated_device.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tide_core.errors import TransportError
@@ -150,6 +152,21 @@ class CudaDevice:
         check_copy_args("copy", dsts, srcs, sizes)
         check_ctas("copy", ctas)
         self.lib.copy_kernel(dsts, srcs, sizes, ctas, stream.cuda_stream)
+
+    @functools.cached_property
+    def max_pitch(self) -> int | None:
+        """The largest 2-D copy pitch (bytes) to plan for on this device; None: any. Asked once, with
+        a one-row copy whose pitch is past any buffer here (twice the device's memory): a driver that
+        refuses pitches above the reported maximum (cudaDevAttrMaxPitch) gets that maximum, and plans
+        copy the rows of longer-pitched runs one by one. (Drivers measured take pitches past 2^32,
+        above the reported 2^31 - 1: the ``large`` GPU stage checks the copies' data.)"""
+        with torch.cuda.device(self.device):
+            probe = torch.zeros(32, dtype=torch.uint8, device=self.device)
+            pitch = 2 * torch.cuda.get_device_properties(self.device).total_memory
+            stream = self.current_stream()
+            refused = self.lib.memcpy_2d_probe(probe.data_ptr() + 16, probe.data_ptr(), pitch, 16, stream.cuda_stream)
+            stream.synchronize()
+            return self.lib.device_max_pitch() if refused else None
 
     # stream memory operations --------------------------------------------------------------------
     def write_flags(self, stream, addresses: list[int], value: int) -> None:

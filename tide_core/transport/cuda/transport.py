@@ -158,7 +158,14 @@ class CudaTransport(Transport):
         barrier(self.groups.group, "CudaTransport", self.timeout_s)  # nobody signals into unzeroed flags
 
         self.streams = Streams.create(self.dev, options.copy_lanes, multi_node=self.rail is not None)
-        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options)
+        # Stage scatters (multi-node) copy strided runs with pitches up to S and L*s_p: ask the device
+        # once for the largest it takes; the plans copy row by row past it.
+        self.max_pitch = self.dev.max_pitch if self.rail is not None else None
+        if self.max_pitch is not None:
+            log.info(
+                "TIDE: 2-D copies take pitches up to %d bytes here; longer runs are copied row by row", self.max_pitch
+            )
+        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options, self.max_pitch)
         self.level1 = Level1Recorder(self.memory, self.streams, options, pieces, self.dev.max_segments)
         self.level2 = None
         if self.rail is not None:

@@ -40,6 +40,7 @@ void launch_sum_py(uint64_t out, const std::vector<uint64_t>& staged, const std:
 
 void copy_kernel_py(const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
                     const std::vector<uint64_t>& sizes, int ctas, uint64_t stream) {
+  tide::check_ctas(ctas, "copy");
   for (const auto& args : tide::make_copy_args(dsts, srcs, sizes)) tide::launch_copy(args, ctas, stream);
 }
 
@@ -80,6 +81,8 @@ PYBIND11_MODULE(_C, m) {
   });
   m.attr("MAX_SOURCES") = tide::kMaxSources;
   m.attr("MAX_SEGMENTS") = tide::kMaxSegments;
+  m.attr("MAX_CTAS") = tide::kMaxCtas;
+  m.attr("MAX_TMA_TILE") = tide::kTmaMaxTile;
   // CudaOptions.sum_kernel's names, and tma_lean (auto's choice where TMA applies) for measurements.
   m.attr("SUM_KERNELS") =
       py::dict(py::arg("auto") = static_cast<int>(tide::kSumAuto), py::arg("regs") = static_cast<int>(tide::kSumRegs),
@@ -90,6 +93,10 @@ PYBIND11_MODULE(_C, m) {
         "Stream-ordered batch of unordered copies (cudaMemcpyBatchAsync; copy engines).");
   m.def("memcpy_2d", &tide::memcpy_2d, py::arg("dst"), py::arg("dpitch"), py::arg("src"), py::arg("spitch"),
         py::arg("width"), py::arg("height"), py::arg("stream"), py::call_guard<py::gil_scoped_release>());
+  m.def("memcpy_2d_probe", &tide::memcpy_2d_probe, py::arg("dst"), py::arg("src"), py::arg("pitch"), py::arg("width"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "Whether the driver takes a one-row 2-D copy with this pitch: the cudaError_t, 0 if taken.");
+  m.def("device_max_pitch", &tide::device_max_pitch, "The current device's cudaDevAttrMaxPitch.");
   m.def("stream_memops_available", &tide::stream_memops_available);
   m.def("stream_write_u32", &tide::stream_write_u32, py::arg("stream"), py::arg("addresses"), py::arg("value"),
         py::call_guard<py::gil_scoped_release>(), "cuStreamWriteValue32 to each address (with a memory barrier).");

@@ -34,6 +34,13 @@ struct Error : std::runtime_error {
     if (!(cond)) ::tide::fail((what), __FILE__, __LINE__); \
   } while (0)
 
+// CTAs of one sum or copy kernel launch (tide_core.plan.buffers.MAX_CTAS, the settings' bound).
+constexpr int kMaxCtas = 1 << 16;
+
+inline void check_ctas(int ctas, const std::string& what) {
+  TIDE_CHECK(ctas >= 1 && ctas <= kMaxCtas, what + ": ctas must be in [1, " + std::to_string(kMaxCtas) + "]");
+}
+
 inline cudaStream_t as_stream(uint64_t handle) { return reinterpret_cast<cudaStream_t>(handle); }
 inline void* as_ptr(uint64_t address) { return reinterpret_cast<void*>(address); }
 

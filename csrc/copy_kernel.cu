@@ -49,6 +49,8 @@ std::vector<CopyArgs> make_copy_args(const std::vector<uint64_t>& dsts, const st
   std::vector<CopyArgs> launches;
   for (size_t i = 0; i < dsts.size(); ++i) {
     if (sizes[i] == 0) continue;
+    TIDE_CHECK(sizes[i] <= UINT64_MAX - dsts[i] && sizes[i] <= UINT64_MAX - srcs[i],
+               "copy: a copy runs past the end of the address space");
     if (launches.empty() || launches.back().n == kMaxCopySegments) launches.push_back(CopyArgs{});
     CopyArgs& a = launches.back();
     a.dst[a.n] = dsts[i];

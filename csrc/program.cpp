@@ -78,6 +78,7 @@ void StreamProgram::copy_batch(uint64_t stream, const std::vector<uint64_t>& dst
 
 void StreamProgram::copy_2d(uint64_t stream, uint64_t dst, uint64_t dpitch, uint64_t src, uint64_t spitch,
                             uint64_t width, uint64_t height) {
+  check_copy_2d(dpitch, spitch, width, height);
   Op op{Op::kCopy2D};
   op.stream = stream;
   op.addresses = {dst, dpitch};
@@ -88,6 +89,7 @@ void StreamProgram::copy_2d(uint64_t stream, uint64_t dst, uint64_t dpitch, uint
 
 void StreamProgram::copy_kernel(uint64_t stream, const std::vector<uint64_t>& dsts, const std::vector<uint64_t>& srcs,
                                 const std::vector<uint64_t>& sizes, int ctas) {
+  check_ctas(ctas, "StreamProgram.copy_kernel");
   Op op{Op::kCopyKernel};
   op.stream = stream;
   op.copies = make_copy_args(dsts, srcs, sizes);

@@ -794,10 +794,27 @@ SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, con
                           int tma_tile, int tma_stages) {
   TIDE_CHECK(kernel >= 0 && kernel < kSumKernelCount, "launch_sum: kernel must be a SUM_KERNELS value");
   TIDE_CHECK(tma_tile >= 0 && tma_stages >= 0, "launch_sum: tma_tile and tma_stages must be >= 0 (0: planned)");
+  TIDE_CHECK(tma_tile <= kTmaMaxTile, "launch_sum: tma_tile must be at most " + std::to_string(kTmaMaxTile));
+  check_ctas(ctas, "launch_sum");
   TIDE_CHECK(staged.size() <= static_cast<size_t>(kMaxSources), "launch_sum: too many staged sources");
   TIDE_CHECK(!segments.empty() && segments.size() <= static_cast<size_t>(kMaxSegments),
              "launch_sum: segment count must be in [1, " + std::to_string(kMaxSegments) + "]");
   TIDE_CHECK(first % 8 == 0, "launch_sum: first element must be a multiple of 8");
+  TIDE_CHECK(first >= 0 && count >= 0 && count <= INT64_MAX - first, "launch_sum: first and count must be >= 0");
+  int64_t end = segments.front().offset;
+  TIDE_CHECK(end >= 0, "launch_sum: segment offsets must be >= 0");
+  for (size_t s = 0; s < segments.size(); ++s) {
+    const SumSegment& g = segments[s];  // messages built only on failure (TIDE_CHECK)
+    TIDE_CHECK(g.offset == end, "launch_sum: segment " + std::to_string(s) +
+                                    " must start where the previous one ends (in order, contiguous)");
+    TIDE_CHECK(g.length >= 0 && g.length <= INT64_MAX - end,
+               "launch_sum: segment " + std::to_string(s) + ": length must be >= 0");
+    TIDE_CHECK(g.valid >= 0 && g.valid <= g.length,
+               "launch_sum: segment " + std::to_string(s) + ": valid must be in [0, length]");
+    end += g.length;
+  }
+  TIDE_CHECK(count == 0 || (segments.front().offset <= first && first + count <= end),
+             "launch_sum: the segments must cover elements [first, first + count)");
   TIDE_CHECK((out & 15) == 0, "launch_sum: out must be 16-byte aligned");
   TIDE_CHECK(dtype >= 0 && dtype <= 2, "launch_sum: dtype must be 0 (bf16), 1 (fp16) or 2 (fp32)");
   SumLaunch l = {};

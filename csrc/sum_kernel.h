@@ -44,6 +44,9 @@ enum SumKernel {
 };
 constexpr int kSumKernelCount = 4;
 constexpr int kTmaMaxStaged = 7;
+// The largest TMA tile (elements) a measurement may fix: its stage bytes (tma_stage_bytes) stay far
+// inside int, and no GPU's shared memory holds two stages of a larger one.
+constexpr int kTmaMaxTile = 1 << 16;
 
 struct SumLaunch {
   SumArgs args;
@@ -61,7 +64,9 @@ struct SumLaunch {
 // Checked and prepared once (a stream program keeps it); launched as often as needed, with the
 // same device current as at make time (the TMA kernel's shared-memory opt-in is set per device).
 // tma_tile / tma_stages (0: planned, or kAutoChoice's tile for kSumAuto) fix the TMA kernels' tile
-// and depth, for measurements.
+// and depth, for measurements. Checked: the segments are in order and contiguous (each starts where
+// the previous ends), 0 <= valid <= length, and they cover [first, first + count); the staged
+// chunks and out are indexed by chunk element, the own rows by segment element.
 SumLaunch make_sum_launch(uint64_t out, const std::vector<uint64_t>& staged, const std::vector<SumSegment>& segments,
                           int64_t first, int64_t count, float alpha, bool accumulate, int dtype, int ctas,
                           int kernel = kSumAuto, int tma_tile = 0, int tma_stages = 0);

@@ -28,6 +28,12 @@ def fresh_warnings(monkeypatch):
         ),
         ({"TIDE_MAX_PARAMS": "0"}, "environment variable TIDE_MAX_PARAMS='0': max_params=0 must be an integer >= 1"),
         ({"TIDE_TIMEOUT_S": "soon"}, "environment variable TIDE_TIMEOUT_S='soon' cannot be parsed as float"),
+        ({"TIDE_CHUNK_MIB": "inf"}, "environment variable TIDE_CHUNK_MIB='inf': chunk_mib=inf must be a finite number"),
+        ({"TIDE_TIMEOUT_S": "nan"}, "environment variable TIDE_TIMEOUT_S='nan': timeout_s=nan must be a finite number"),
+        (
+            {"TIDE_SUM_CTAS": str(1 << 31)},
+            f"environment variable TIDE_SUM_CTAS='{1 << 31}': sum_ctas={1 << 31} must be an integer >= 1 and <= 65536",
+        ),
     ],
 )
 def test_a_bad_value_names_its_variable(env, message):

@@ -13,9 +13,11 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tide_core.transport import TRANSPORTS
-from tide_core.transport.cuda.options import CudaOptions, CudaSettings
+from tide_core.transport.cuda.options import CudaOptions, CudaSettings, check_int
 
 MODES = ("in_place", "slot_reuse")
+MAX_PARAMS = 1 << 16  # max_params: parameters of one group
+MAX_GPUS_PER_NODE = 1024  # gpus_per_node
 #: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt,
 #: build_support/) and scripts/ (setup_env, test, gpu).
 OTHER_ENV_VARS = (
@@ -84,10 +86,8 @@ class TIDEConfig(CudaSettings):
             raise ValueError(f"mode={self.mode!r} is not supported; choose one of {', '.join(MODES)}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport={self.transport!r} is not supported; choose one of {', '.join(TRANSPORTS)}")
-        if not isinstance(self.max_params, int) or self.max_params < 1:
-            raise ValueError(f"max_params={self.max_params!r} must be an integer >= 1")
-        if self.gpus_per_node is not None and (not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1):
-            raise ValueError(f"gpus_per_node={self.gpus_per_node!r} must be an integer >= 1 or None")
+        check_int("max_params", self.max_params, MAX_PARAMS)
+        check_int("gpus_per_node", self.gpus_per_node, MAX_GPUS_PER_NODE, allow_none=True)
         if self.fp32_reduce and self.exact_stock_sums:
             raise ValueError(
                 "fp32_reduce=True (keep fp32 sums) contradicts exact_stock_sums=True (only stock's rounding); "

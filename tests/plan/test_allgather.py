@@ -124,3 +124,31 @@ def test_balanced_lanes_put_the_largest_pushes_on_different_lanes():
     pushes = [p for p in allgather_plan(lay, Topology(1, 2), rank=0).local_pushes if p.dst_local == 1]
     lanes = balance_lanes(pushes, 2)
     assert [[p.param for p in lane] for lane in lanes] == [[1, 0], [3, 2]]  # 200 | 120 + 100 -> 200 + 2
+
+
+def test_pitches_past_the_device_limit_become_row_copies():
+    """Strided stage scatters whose source (S) or destination (L*s_p) pitch exceeds ``max_pitch``
+    are planned row by row; the result is still FSDP2's layout, every element written once. Nine
+    nodes: round 2 receives a run of four slots, the shortest strided run."""
+    topo = Topology(9, 2)
+    N = topo.world_size
+    rng = np.random.default_rng(5)
+    shapes = [(N * 3, 5), (N, 1), (N * 20, 2), (4,)]  # s_p 60, 4, 160, 4 bytes: S = 228 < L * 160
+    lay = GroupLayout.from_shapes(shapes, world_size=N, itemsize=4)
+    shards = [
+        [rng.standard_normal(lay.shard_numel(p)).astype(np.float32) for p in range(len(shapes))] for _ in range(N)
+    ]
+
+    def pitches(max_pitch):
+        plan = allgather_plan(lay, topo, 0, max_pitch=max_pitch)
+        return [max(c.src_pitch, c.dst_pitch) for r in plan.stage_copies for c in r if c.count > 1]
+
+    unlimited = pitches(None)
+    S = lay.total_shard_bytes
+    assert pitches(max(unlimited)) == unlimited and max(unlimited) == 2 * 160
+    assert pitches(S) == [x for x in unlimited if x <= S] and 0 < len(pitches(S)) < len(unlimited)
+    assert pitches(S - 1) == []  # every strided copy's source pitch is S
+    for limit in (S, S - 1):
+        check_allgather(lay, topo, shards, simulate_allgather(lay, topo, shards, max_pitch=limit))
+    with pytest.raises(PlanError, match="max_pitch=0 must be >= 1 or None"):
+        allgather_plan(lay, topo, 0, max_pitch=0)

@@ -54,6 +54,7 @@ def test_named_models_match_public_parameter_counts():
     # Published sizes: 8.03B, 70.6B, 30.5B, ~14B per Wan expert
     assert get_model("llama3-8b").num_params == pytest.approx(8.03e9, rel=0.01)
     assert get_model("llama3-70b").num_params == pytest.approx(70.6e9, rel=0.01)
+    assert get_model("llama3-405b").num_params == pytest.approx(405.9e9, rel=0.01)
     assert get_model("qwen3-30b-a3b").num_params == pytest.approx(30.5e9, rel=0.01)
     assert get_model("wan2.2-a14b").num_params == pytest.approx(14.3e9, rel=0.03)
     with pytest.raises(PlanError, match="model='gpt5'"):

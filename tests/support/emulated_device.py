@@ -20,7 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tide_core.runtime.device import check_copy_args, check_sum_args
+from tide_core.errors import TransportError
+from tide_core.runtime.device import check_copy_2d_args, check_copy_args, check_ctas, check_sum_args
 from tide_core.runtime.program import CALLER, ProgramRecorder, ReplayedProgram
 
 _WORD = ctypes.c_uint32
@@ -98,13 +99,18 @@ class EmulatedDevice:
         copy_delay_s: float = 0.0,
         push_delay_s: float = 0.0,
         segmented: bool = False,
+        max_pitch: int | None = None,
     ):
         """``hardware_queues``: emulate CUDA mapping streams onto that many FIFOs (CUDA_DEVICE_MAX_CONNECTIONS);
         with 1, a blocked stream-memory wait stalls every later operation of every stream.
         ``sum_delay_s`` / ``copy_delay_s`` / ``push_delay_s``: slow sum kernels / copy kernels and 2-D
         copies (the stage scatters) / copy-engine batches, to expose missing credits and signals.
         ``segmented``: recordings with host steps are compiled as on GPUs (``SegmentedProgram`` over
-        ``EmulatedNativeLib``) instead of replayed operation by operation."""
+        ``EmulatedNativeLib``) instead of replayed operation by operation. ``max_pitch``: a driver
+        that refuses 2-D copies with longer pitches (None: takes any); ``pitch_queries`` counts
+        how often it was asked."""
+        self._max_pitch = max_pitch
+        self.pitch_queries = 0
         self.segmented = segmented
         self.copy_delay_s = copy_delay_s
         self.push_delay_s = push_delay_s
@@ -162,7 +168,16 @@ class EmulatedDevice:
         check_copy_args("memcpy_batch", dsts, srcs, sizes)  # what CudaDevice checks
         self._copies(stream, dsts, srcs, sizes, self.push_delay_s)
 
+    @property
+    def max_pitch(self) -> int | None:
+        self.pitch_queries += 1
+        return self._max_pitch
+
     def copy_2d(self, stream, dst, dpitch, src, spitch, width, height):
+        check_copy_2d_args(dpitch, spitch, width, height)
+        if self._max_pitch is not None and max(dpitch, spitch) > self._max_pitch:
+            raise TransportError(f"copy_2d: pitch {max(dpitch, spitch)} exceeds the device's {self._max_pitch}")
+
         def run():
             if self.copy_delay_s:
                 time.sleep(self.copy_delay_s)
@@ -174,6 +189,7 @@ class EmulatedDevice:
 
     def copy_kernel(self, stream, dsts, srcs, sizes, ctas):
         check_copy_args("copy", dsts, srcs, sizes)
+        check_ctas("copy", ctas)
         self._copies(stream, dsts, srcs, sizes, self.copy_delay_s)  # a kernel: not slowed like the copy engines
 
     def host_step(self, stream, step):
@@ -235,7 +251,7 @@ class EmulatedDevice:
 
     def sum(self, stream, out, staged, segments, first, count, alpha, accumulate, dtype, ctas):
         staged, segments = list(staged), list(segments)
-        check_sum_args(out, staged, segments, first, dtype, self.max_sources, self.max_segments)
+        check_sum_args(out, staged, segments, first, count, dtype, ctas, self.max_sources, self.max_segments)
 
         def read(address, n):
             if n == 0:

@@ -304,3 +304,70 @@ def test_rail_fault_injection_is_detected(name):
         assert any(o["corrupt"] for o in outcomes)
     else:
         assert any(o["corrupt"] or o["timeout"] for o in outcomes)
+
+
+# -- the device's largest 2-D copy pitch -------------------------------------------------------------
+
+
+def _pitch_limited_all_gathers(rank, world_size, tag):
+    topo = Topology(2, 1)
+    dev = EmulatedDevice(max_pitch=4096)
+    alloc = shared_memory_allocator(dist.group.WORLD, tag)
+    options = TIDEConfig(timeout_s=20.0, rail="p2p").cuda_options()
+    t = CudaTransport(topo, None, options=options, device=torch.device("cpu"), backend=dev, allocator=alloc)
+    try:
+        at_setup = dev.pitch_queries
+        lay = layout_for([(9, 4), (5,), (7, 3)], world_size, 2)
+        outs = t.landing_buffers(lay, slot=0, dtype=torch.bfloat16)
+        exact = True
+        for step in range(2):
+            shards = all_shards(step, lay, torch.bfloat16)
+            t.all_gather(lay, shards[rank], outs).wait()
+            exact &= all(torch.equal(outs[p], expected_unsharded(lay, shards, p)) for p in range(lay.num_params))
+        t.synchronize()
+        return at_setup, dev.pitch_queries, t.all_gather_recorder.max_pitch, exact
+    finally:
+        t.close()
+        shut_down(dev, alloc)
+
+
+def test_the_transport_asks_the_device_for_its_largest_pitch_once_at_set_up():
+    results = run_distributed(_pitch_limited_all_gathers, 2, args=(uuid.uuid4().hex[:8],), timeout=120)
+    assert results == [(1, 1, 4096, True)] * 2, results
+
+
+def test_recorded_stage_scatters_keep_to_the_devices_largest_pitch():
+    """The recorder's stage scatters on 9 x 2 (round 2 receives a run of four slots): with no limit
+    some 2-D copies have pitches past the device's; with the limit, none, and the rows they cover
+    are copied one by one instead (same bytes to the same places)."""
+    from types import SimpleNamespace
+
+    from tide_core.runtime.program import ProgramRecorder
+    from tide_core.transport.cuda.allgather import AllGatherRecorder
+    from tide_core.transport.cuda.options import CudaOptions
+
+    topo, rank = Topology(9, 2), 1  # node 0, local 1
+    lay = layout_for([(18 * 3, 5), (18, 1), (18 * 20, 2), (4,)], 18, 4)
+    memory = SimpleNamespace(topology=topo, rank=rank, local=1, peers=[0])
+    landings = [[1 << 30, 1 << 31] for _ in range(lay.num_params)]  # the two GPUs' landing bases
+
+    def rows(max_pitch):
+        recorder = AllGatherRecorder(memory, None, None, CudaOptions(local_copy="ce"), max_pitch)
+        plan, rec = recorder.plan(lay), ProgramRecorder(base=0)
+        for copies in plan.stage_copies:
+            recorder._record_scatter(rec, "s", copies, SimpleNamespace(ptr=1 << 20), landings)
+        pitched, placed = [], set()
+        for kind, _, *args in rec.ops:
+            if kind == "copy_2d":
+                dst, dpitch, src, spitch, width, height = args
+                pitched.append(max(dpitch, spitch))
+                placed |= {(dst + i * dpitch, src + i * spitch, width) for i in range(height)}
+            else:
+                placed |= set(zip(*args))
+        return pitched, placed
+
+    limit = lay.total_shard_bytes - 1
+    free, free_rows = rows(None)
+    limited, limited_rows = rows(limit)
+    assert free and max(free) > limit and not limited
+    assert limited_rows == free_rows

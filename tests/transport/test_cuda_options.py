@@ -9,6 +9,7 @@ import pytest
 
 from tide_core.config import TIDEConfig
 from tide_core.transport.cuda import CudaOptions
+from tide_core.transport.cuda.options import INT_LIMITS, MAX_MIB, MAX_SECONDS
 
 
 def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
@@ -44,6 +45,21 @@ def test_mode_maps_onto_the_outbox_and_shared_fields_carry_over():
         ({"timeout_s": 0}, "timeout_s=0 must be > 0 or None"),
         ({"heartbeat_s": 0}, "heartbeat_s=0 must be > 0"),
         ({"peer_dead_s": 1.0}, "peer_dead_s=1.0 must exceed two heartbeats"),
+        # Non-finite values once passed and failed at the first call with an OverflowError.
+        ({"chunk_mib": float("inf")}, "chunk_mib=inf must be a finite number <= 65536"),
+        ({"sum_slice_mib": float("inf")}, "sum_slice_mib=inf must be a finite number <= 65536"),
+        ({"timeout_s": float("inf")}, "timeout_s=inf must be a finite number <= 2592000"),
+        ({"heartbeat_s": float("nan")}, "heartbeat_s=nan must be a finite number"),
+        ({"peer_dead_s": float("inf")}, "peer_dead_s=inf must be a finite number"),
+        ({"chunk_mib": 1 << 17}, "chunk_mib=131072 must be a finite number <= 65536"),
+        # Integers past what tide_core._C takes (sum_ctas above INT_MAX was a pybind TypeError).
+        ({"sum_ctas": 1 << 31}, f"sum_ctas={1 << 31} must be an integer >= 1 and <= 65536"),
+        ({"local_copy_ctas": 1 << 17}, f"local_copy_ctas={1 << 17} must be an integer >= 1 and <= 65536"),
+        ({"chunk_slots": 1 << 40}, f"chunk_slots={1 << 40} must be an integer >= 1 and <= 1024"),
+        ({"copy_lanes": 65}, "copy_lanes=65 must be an integer >= 1 and <= 64"),
+        ({"wave_width": 1 << 31}, f"wave_width={1 << 31} must be an integer >= 1 and <= 1024 or None"),
+        ({"round_width": 1 << 31}, f"round_width={1 << 31} must be an integer >= 1 and <= 1024"),
+        ({"sum_ctas": True}, "sum_ctas=True must be an integer"),
     ],
 )
 def test_bad_transport_options_are_rejected_by_the_options_and_the_config_alike(bad, message):
@@ -51,3 +67,18 @@ def test_bad_transport_options_are_rejected_by_the_options_and_the_config_alike(
         CudaOptions(**bad)
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         TIDEConfig(**bad)
+
+
+def test_every_bound_itself_is_accepted():
+    """The limits are inclusive, for the options and the config alike."""
+    at_limits = dict(INT_LIMITS, chunk_mib=MAX_MIB, sum_slice_mib=MAX_MIB, timeout_s=MAX_SECONDS)
+    at_limits.update(heartbeat_s=MAX_SECONDS / 4, peer_dead_s=MAX_SECONDS)
+    assert CudaOptions(**at_limits).sum_ctas == INT_LIMITS["sum_ctas"]
+    assert TIDEConfig(**at_limits).chunk_mib == MAX_MIB
+
+
+@pytest.mark.parametrize(("name", "limit"), [("max_params", 1 << 16), ("gpus_per_node", 1024)])
+def test_config_integers_have_upper_bounds(name, limit):
+    assert getattr(TIDEConfig(**{name: limit}), name) == limit
+    with pytest.raises(ValueError, match=f"^{name}={limit + 1} must be an integer >= 1 and <= {limit}"):
+        TIDEConfig(**{name: limit + 1})

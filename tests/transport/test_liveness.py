@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from tests.support.dist import run_distributed
 from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator, shut_down
-from tests.transport.cases import all_shards, expected_unsharded, layout_for
+from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for
 from tide_core import PeerFailure, PeerStallTimeout
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaOptions, CudaTransport
@@ -207,3 +207,53 @@ def test_a_silent_live_peer_gets_peer_stall_timeout_at_timeout_s():
     assert outcomes[1] == {"error": None, "silent": True}
     assert o["error"] == "PeerStallTimeout" and "did not complete within 3 s" in o["message"], o
     assert TIMEOUT_S - 0.05 <= o["after_s"] <= TIMEOUT_S + 1.0, o
+
+
+# -- CUDA transport (emulated device): the release after a stall, per counter ----------------------------
+
+
+def _stall_with_counters_apart(rank, world_size, tag):
+    """After one all-gather and one reduce-scatter on both ranks, rank 1 stays silent; rank 0 jumps
+    its reduce-scatter chunk sequence 2^31 past its all-gather epoch (a long run's drift: the
+    sequence grows by a call's chunks, the epoch by one) and issues one of each. Its watchdog's
+    release must drain both stalled calls."""
+    t, dev, alloc = _emulated(world_size, tag, timeout_s=1.0)
+    lay = layout_for(SHAPES, world_size, 2)
+    outs = t.landing_buffers(lay, slot=0, dtype=torch.bfloat16)
+    grads = all_grads(0, SHAPES, world_size, torch.bfloat16)
+    shards = all_shards(1, lay, torch.bfloat16)
+    out = torch.empty(lay.total_shard_numel)
+    try:
+        assert _emulated_all_gather(t, rank, world_size, lay, outs, seed=0)
+        t.reduce_scatter(lay, grads[rank], out).wait()
+        t.synchronize()
+        dist.barrier()
+        started = time.monotonic()
+        if rank == 1:
+            _linger(started + 8)
+            return {"silent": True}
+        t.rs_seq += 1 << 31
+        gather = t.all_gather(lay, shards[rank], outs)
+        scatter = t.reduce_scatter(lay, grads[rank], out)
+        counters = (t.ag_epoch, t.rs_seq)
+        while time.monotonic() < started + 6 and not all(dev.query(e) for e in gather.events + scatter.events):
+            time.sleep(0.01)
+        return {
+            "failure": type(t.watchdog.failure).__name__,
+            "counters": counters,
+            "all_gather drained": all(dev.query(e) for e in gather.events),
+            "reduce_scatter drained": all(dev.query(e) for e in scatter.events),
+        }
+    finally:
+        t.close()
+        shut_down(dev, alloc)
+
+
+def test_a_stall_releases_all_gather_and_reduce_scatter_with_counters_2_31_apart():
+    outcomes = run_distributed(_stall_with_counters_apart, 2, args=(uuid.uuid4().hex[:8],), timeout=60)
+    print("\n", outcomes)
+    o = outcomes[0]
+    assert outcomes[1] == {"silent": True}
+    assert o["failure"] == "PeerStallTimeout", o
+    assert o["counters"][1] - o["counters"][0] >= 1 << 31, o
+    assert o["all_gather drained"] and o["reduce_scatter drained"], o

@@ -133,3 +133,42 @@ def test_nccl_rail_records_one_grouped_exchange_with_global_peers_and_local_cred
     assert [(peer, t is b) for peer, t in step.recvs] == [(11, True)] and step.nbytes == 12
     with pytest.raises(ValueError, match="1-D uint8"):
         rail.exchange(rec, "s", [(2, torch.zeros(2))], [])
+
+
+def test_rail_words_are_released_per_collective_and_cover_every_wait():
+    """After a stall each collective's words are released from its own counter: the all-gather's
+    and the reduce-scatter's words split the rail's flags, and every word a wait of either uses is
+    in its own collective's part (p2p: slots per Bruck round, then the reduce-scatter's; nccl:
+    credit words per round, then per inbox block)."""
+    from tide_core.plan.allgather import num_rounds
+    from tide_core.plan.buffers import AG_RAIL_KINDS, RS_RAIL_KINDS, ag_rail_slot, rail_slots, rs_rail_slot
+    from tide_core.runtime.groups import TopologyGroups
+    from tide_core.transport.dist_rail import DistRail
+
+    topo = Topology(5, 2)
+    rounds, slots = num_rounds(5), rail_slots(5)
+    peers = [0x10000 * (r + 1) for r in range(10)]
+    rail = P2PRail(topo, 3, _FakeSegment(P2PRail.flag_bytes(topo, slots), peers[3], peers), slots)
+    ag, rs = set(rail.signal_words(True)), set(rail.signal_words(False))
+    assert not ag & rs and len(ag) + len(rs) == slots * topo.nodes
+    rec = ProgramRecorder(base=0)
+    for node in range(topo.nodes):
+        for kind in range(AG_RAIL_KINDS):
+            for d in range(rounds):
+                rail.wait(rec, "s", node, ag_rail_slot(kind, d, 5), 1)
+        for kind in range(RS_RAIL_KINDS):
+            rail.wait(rec, "s", node, rs_rail_slot(kind, 5), 1)
+    waited = [op[2][0] for op in rec.ops]
+    per_node = AG_RAIL_KINDS * rounds + RS_RAIL_KINDS
+    for node in range(topo.nodes):
+        chunk = waited[node * per_node : (node + 1) * per_node]
+        assert set(chunk[: AG_RAIL_KINDS * rounds]) <= ag and set(chunk[AG_RAIL_KINDS * rounds :]) <= rs
+
+    groups = TopologyGroups(
+        topology=topo, group=None, rank=3, global_ranks=list(range(10)), node_group=None, rail_group=object()
+    )
+    words = slots * topo.nodes
+    nccl = DistRail(topo, groups, _FakeSegment(FLAG_LINE * words, 0x4000, None), words)
+    ag, rs = nccl.signal_words(True), nccl.signal_words(False)
+    assert ag == [nccl.credit_word(d) for d in range(rounds)]  # the all-gather's stage-area credits
+    assert rs == [nccl.credit_word(i) for i in range(rounds, words)]  # Level2Exchanges' inbox credits

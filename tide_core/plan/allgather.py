@@ -12,7 +12,8 @@ For rank (n, l):
 3. Stage scatter: a run of consecutive stage slots without wrap-around maps to rows of parameter
    p with source pitch S and destination pitch L*s_p, so a run of >= ``min_strided_run`` slots is
    one strided (2-D) copy per parameter; the last round is split into at most
-   ``last_round_groups`` groups so its scatter can start before the whole round lands.
+   ``last_round_groups`` groups so its scatter can start before the whole round lands. A run whose
+   pitch (S, or L*s_p) exceeds ``max_pitch``, the largest the device takes, is copied row by row.
 """
 
 from __future__ import annotations
@@ -185,7 +186,9 @@ def allgather_plan(
     *,
     min_strided_run: int = 4,
     last_round_groups: int = 4,
+    max_pitch: int | None = None,
 ) -> AllGatherPlan:
+    """``max_pitch``: the largest 2-D copy pitch (bytes) the device takes (None: any)."""
     if layout.world_size != topo.world_size:
         raise PlanError(
             f"layout.world_size={layout.world_size} does not match topology "
@@ -195,6 +198,8 @@ def allgather_plan(
         raise PlanError(f"min_strided_run={min_strided_run} must be >= 2")
     if last_round_groups < 1:
         raise PlanError(f"last_round_groups={last_round_groups} must be >= 1")
+    if max_pitch is not None and max_pitch < 1:
+        raise PlanError(f"max_pitch={max_pitch} must be >= 1 or None")
     M, L = topo.nodes, topo.gpus_per_node
     n, l = topo.node_of(rank), topo.local_of(rank)
     S = layout.total_shard_bytes
@@ -215,9 +220,11 @@ def allgather_plan(
         copies: list[StageCopy] = []
         for g_first, g_count in pieces:
             for first, count in _split_runs(g_first, g_count, n, M):
-                runs = [(first, count)] if count >= min_strided_run else [(j, 1) for j in range(first, first + count)]
+                rows = [(j, 1) for j in range(first, first + count)]
                 for p in range(layout.num_params):
                     sp = layout.shard_bytes(p)
+                    strided = count >= min_strided_run and (max_pitch is None or max(S, L * sp) <= max_pitch)
+                    runs = [(first, count)] if strided else rows
                     for run_first, run_count in runs:
                         src_rank = topo.rank((n + run_first) % M, l)
                         copies.append(

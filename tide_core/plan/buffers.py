@@ -23,6 +23,7 @@ BLOCK_ALIGN = 512  # bytes: Level-2 blocks (16-byte vector loads, aligned copy d
 MIN_CHUNK_BYTES = 4096
 PIECE_ALIGN = 256  # fp32 output elements: a sum slice is a multiple of the kernel's tile
 FLAG_LINE = 64  # bytes per signal word: one epoch counter per cache line
+MAX_CTAS = 1 << 16  # CTAs of one sum or copy kernel launch (tide_core._C.MAX_CTAS checks the same)
 AG_RAIL_KINDS, RS_RAIL_KINDS = 3, 2  # rail signal kinds: all-gather data/ack/credit, reduce-scatter data/credit
 
 

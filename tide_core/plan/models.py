@@ -176,6 +176,9 @@ MODELS: dict[str, ModelShapes] = {
     "llama3.1-70b": llama(
         "Llama-3.1-70B", hidden=8192, intermediate=28672, heads=64, kv_heads=8, layers=80, vocab=128256
     ),
+    "llama3.1-405b": llama(
+        "Llama-3.1-405B", hidden=16384, intermediate=53248, heads=128, kv_heads=8, layers=126, vocab=128256
+    ),
     "qwen3-30b-a3b": qwen3_moe(
         "Qwen3-30B-A3B",
         hidden=2048,
@@ -204,6 +207,8 @@ ALIASES = {
     "llama-3.1-8b": "llama3.1-8b",
     "llama3-70b": "llama3.1-70b",
     "llama-3.1-70b": "llama3.1-70b",
+    "llama3-405b": "llama3.1-405b",
+    "llama-3.1-405b": "llama3.1-405b",
     "qwen3-30b": "qwen3-30b-a3b",
     "wan2.2": "wan2.2-a14b",
     "wan2.2-14b": "wan2.2-a14b",

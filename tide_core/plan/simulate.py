@@ -44,8 +44,11 @@ class AllGatherResult:
     stage_peak_bytes: int
 
 
-def simulate_allgather(layout: GroupLayout, topo: Topology, shards: list[list[np.ndarray]]) -> AllGatherResult:
-    """``shards[r][p]``: rank r's padded shard of p (R_p*K_p elements, dtype itemsize = layout.itemsize)."""
+def simulate_allgather(
+    layout: GroupLayout, topo: Topology, shards: list[list[np.ndarray]], max_pitch: int | None = None
+) -> AllGatherResult:
+    """``shards[r][p]``: rank r's padded shard of p (R_p*K_p elements, dtype itemsize = layout.itemsize);
+    ``max_pitch``: the plans' largest 2-D copy pitch (``allgather_plan``)."""
     N, M, L = topo.world_size, topo.nodes, topo.gpus_per_node
     if layout.world_size != N:
         raise PlanError(f"layout.world_size={layout.world_size} != topology world size {N}")
@@ -58,7 +61,7 @@ def simulate_allgather(layout: GroupLayout, topo: Topology, shards: list[list[np
     group_elems = layout.group_bytes // item
     landing = [np.zeros(group_elems, dtype=dtype) for _ in range(N)]
     counts = [np.zeros(group_elems, dtype=np.int32) for _ in range(N)]
-    plans = [allgather_plan(layout, topo, r) for r in range(N)]
+    plans = [allgather_plan(layout, topo, r, max_pitch=max_pitch) for r in range(N)]
     S = layout.total_shard_bytes
 
     def write(dst: int, byte_offset: int, data: np.ndarray) -> None:

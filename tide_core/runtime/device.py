@@ -7,9 +7,12 @@ tests (``tests/support/emulated_device.py``).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from tide_core.errors import TransportError
+from tide_core.plan.buffers import MAX_CTAS
 from tide_core.runtime import native
 from tide_core.runtime.program import CALLER
 
@@ -20,25 +23,72 @@ TMA_UNAVAILABLE = (
 )
 
 
+ADDRESS_END = 1 << 64  # addresses and sizes are uint64 in tide_core._C
+
+
 # tide_core._C checks its arguments too, but a C++ exception is its last resort: a rejected
 # argument once crashed the interpreter instead of raising (torch 2.11, H200). So every argument
 # the transport passes is checked here first, with tide_core._C's messages.
+def check_ctas(what: str, ctas: int) -> None:
+    if not 1 <= ctas <= MAX_CTAS:
+        raise TransportError(f"{what}: ctas must be in [1, {MAX_CTAS}]")
+
+
 def check_copy_args(what: str, dsts: list[int], srcs: list[int], sizes: list[int]) -> None:
     """``what``: the primitive's name in the message (memcpy_batch, copy)."""
     if not len(dsts) == len(srcs) == len(sizes):
         raise TransportError(f"{what}: dsts, srcs and sizes must have the same length")
+    for dst, src, size in zip(dsts, srcs, sizes):
+        if size < 0 or dst < 0 or src < 0:
+            raise TransportError(f"{what}: addresses and sizes must be >= 0")
+        if size and max(dst, src) + size > ADDRESS_END:
+            raise TransportError(f"{what}: a copy runs past the end of the address space")
+
+
+def check_copy_2d_args(dpitch: int, spitch: int, width: int, height: int) -> None:
+    """memcpy_2d's argument check: rows must not overlap."""
+    if min(dpitch, spitch, width, height) < 0:
+        raise TransportError("memcpy_2d: pitches, width and height must be >= 0")
+    if height > 1 and not (width <= dpitch and width <= spitch):
+        raise TransportError("memcpy_2d: width must be at most dpitch and spitch")
 
 
 def check_sum_args(
-    out: int, staged: list[int], segments: list[tuple], first: int, dtype, max_sources: int, max_segments: int
+    out: int,
+    staged: list[int],
+    segments: list[tuple],
+    first: int,
+    count: int,
+    dtype,
+    ctas: int,
+    max_sources: int,
+    max_segments: int,
 ) -> None:
     """launch_sum's argument checks (csrc/sum_kernel.cu, make_sum_launch) for one sum."""
+    check_ctas("launch_sum", ctas)
     if len(staged) > max_sources:
         raise TransportError("launch_sum: too many staged sources")
     if not 1 <= len(segments) <= max_segments:
         raise TransportError(f"launch_sum: segment count must be in [1, {max_segments}]")
     if first % 8:
         raise TransportError("launch_sum: first element must be a multiple of 8")
+    if first < 0 or count < 0:
+        raise TransportError("launch_sum: first and count must be >= 0")
+    end = segments[0][0]
+    if end < 0:
+        raise TransportError("launch_sum: segment offsets must be >= 0")
+    for s, (offset, length, valid, _own) in enumerate(segments):
+        if offset != end:
+            raise TransportError(
+                f"launch_sum: segment {s} must start where the previous one ends (in order, contiguous)"
+            )
+        if length < 0:
+            raise TransportError(f"launch_sum: segment {s}: length must be >= 0")
+        if not 0 <= valid <= length:
+            raise TransportError(f"launch_sum: segment {s}: valid must be in [0, length]")
+        end += length
+    if count and not (segments[0][0] <= first and first + count <= end):
+        raise TransportError("launch_sum: the segments must cover elements [first, first + count)")
     if out % 16:
         raise TransportError("launch_sum: out must be 16-byte aligned")
     if dtype not in DTYPE_CODES:
@@ -94,12 +144,29 @@ class CudaDevice:
 
     def copy_2d(self, stream, dst: int, dpitch: int, src: int, spitch: int, width: int, height: int) -> None:
         """``height`` rows of ``width`` bytes between pitched layouts (one copy-engine descriptor)."""
+        check_copy_2d_args(dpitch, spitch, width, height)
         self.lib.memcpy_2d(dst, dpitch, src, spitch, width, height, stream.cuda_stream)
 
     def copy_kernel(self, stream, dsts: list[int], srcs: list[int], sizes: list[int], ctas: int) -> None:
         """Same-GPU copies in one short kernel (a batch of same-GPU copies costs ~7 us of host time each)."""
         check_copy_args("copy", dsts, srcs, sizes)
+        check_ctas("copy", ctas)
         self.lib.copy_kernel(dsts, srcs, sizes, ctas, stream.cuda_stream)
+
+    @functools.cached_property
+    def max_pitch(self) -> int | None:
+        """The largest 2-D copy pitch (bytes) to plan for on this device; None: any. Asked once, with
+        a one-row copy whose pitch is past any buffer here (twice the device's memory): a driver that
+        refuses pitches above the reported maximum (cudaDevAttrMaxPitch) gets that maximum, and plans
+        copy the rows of longer-pitched runs one by one. (Drivers measured take pitches past 2^32,
+        above the reported 2^31 - 1: the ``large`` GPU stage checks the copies' data.)"""
+        with torch.cuda.device(self.device):
+            probe = torch.zeros(32, dtype=torch.uint8, device=self.device)
+            pitch = 2 * torch.cuda.get_device_properties(self.device).total_memory
+            stream = self.current_stream()
+            refused = self.lib.memcpy_2d_probe(probe.data_ptr() + 16, probe.data_ptr(), pitch, 16, stream.cuda_stream)
+            stream.synchronize()
+            return self.lib.device_max_pitch() if refused else None
 
     # stream memory operations --------------------------------------------------------------------
     def write_flags(self, stream, addresses: list[int], value: int) -> None:
@@ -128,7 +195,7 @@ class CudaDevice:
         dtype: torch.dtype,
         ctas: int,
     ) -> None:
-        check_sum_args(out, staged, segments, first, dtype, self.max_sources, self.max_segments)
+        check_sum_args(out, staged, segments, first, count, dtype, ctas, self.max_sources, self.max_segments)
         self.lib.launch_sum(
             out,
             staged,
@@ -199,7 +266,7 @@ def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, su
     for kind, stream, *args in ops:
         if kind == "sum":
             out, staged, segments, first, count, alpha, accumulate, dtype, ctas = args
-            check_sum_args(out, staged, segments, first, dtype, lib.MAX_SOURCES, lib.MAX_SEGMENTS)
+            check_sum_args(out, staged, segments, first, count, dtype, ctas, lib.MAX_SOURCES, lib.MAX_SEGMENTS)
             program.sum(
                 handle(stream),
                 out,
@@ -216,6 +283,10 @@ def _stream_program(lib, ops, num_events: int, outputs: list[int], ring: int, su
         else:
             if kind in ("copy_batch", "copy_kernel"):
                 check_copy_args("StreamProgram.copy_batch" if kind == "copy_batch" else "copy", *args[:3])
+            if kind == "copy_kernel":
+                check_ctas("StreamProgram.copy_kernel", args[3])
+            if kind == "copy_2d":
+                check_copy_2d_args(args[1], args[3], args[4], args[5])
             getattr(program, kind)(handle(stream), *args)
     program.set_outputs(outputs, ring)
     return program

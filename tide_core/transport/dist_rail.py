@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from tide_core.plan import Topology
+from tide_core.plan.allgather import num_rounds
 from tide_core.plan.buffers import FLAG_LINE
 from tide_core.runtime.groups import TopologyGroups
 
@@ -76,6 +77,13 @@ class DistRail:
         if not 0 <= index < self.words:
             raise ValueError(f"credit word {index} outside [0, {self.words})")
         return self.flags.ptr + FLAG_LINE * index
+
+    def signal_words(self, all_gather: bool) -> list[int]:
+        """The all-gather's credit words (one per Bruck round, first; ``all_gather``) or the
+        reduce-scatter's (one per inbox block, after them): released after a stall, each from its
+        own counter."""
+        rounds = num_rounds(self.topology.nodes)
+        return [self.credit_word(i) for i in (range(rounds) if all_gather else range(rounds, self.words))]
 
     def exchange(self, dev, stream, sends, recvs) -> None:
         """Record one grouped exchange on ``stream``: ``sends`` / ``recvs`` are (node, uint8 tensor)

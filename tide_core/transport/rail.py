@@ -32,7 +32,7 @@ from typing import Protocol
 
 from tide_core.errors import TransportError
 from tide_core.plan import Topology
-from tide_core.plan.buffers import FLAG_LINE, flag_offset
+from tide_core.plan.buffers import FLAG_LINE, flag_offset, rs_rail_slot
 
 RAILS = ("auto", "p2p", "nccl")  # CudaSettings.rail
 
@@ -65,6 +65,8 @@ class Rail(Protocol):
 
     def wait(self, dev, stream, node: int, slot: int, value: int) -> None: ...
 
+    def signal_words(self, all_gather: bool) -> list[int]: ...
+
 
 class P2PRail:
     """Rail over copy-engine P2P between the GPUs of one host (the symmetric arena's peer pointers)."""
@@ -91,6 +93,13 @@ class P2PRail:
         if not 0 <= slot < self.slots:
             raise ValueError(f"signal slot {slot} outside [0, {self.slots})")
         return flag_offset(slot, sender_node, self.topology.nodes)
+
+    def signal_words(self, all_gather: bool) -> list[int]:
+        """This rank's words its streams may wait on, of the all-gather's slots (``all_gather``) or
+        the reduce-scatter's (released after a stall, each from its own counter)."""
+        first_rs = rs_rail_slot(0, self.topology.nodes)
+        slots = range(first_rs) if all_gather else range(first_rs, self.slots)
+        return [self.flags.ptr + self._word(slot, node) for slot in slots for node in range(self.topology.nodes)]
 
     def put(self, dev, stream, node: int, window, offsets, srcs, sizes) -> None:
         base = window.peer_ptrs[self.peer_rank(node)]

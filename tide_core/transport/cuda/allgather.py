@@ -33,15 +33,24 @@ from tide_core.transport.rail import Rail
 
 
 class AllGatherRecorder:
-    def __init__(self, memory: SymmetricMap, streams: Streams, rail: Rail | None, options: CudaOptions):
+    def __init__(
+        self,
+        memory: SymmetricMap,
+        streams: Streams,
+        rail: Rail | None,
+        options: CudaOptions,
+        max_pitch: int | None = None,
+    ):
+        """``max_pitch``: the device's largest 2-D copy pitch (None: any); runs past it are row copies."""
         self.memory, self.streams, self.rail, self.options = memory, streams, rail, options
+        self.max_pitch = max_pitch
         self.topology, self.rank, self.local = memory.topology, memory.rank, memory.local
         self._plans: dict = {}
 
     def plan(self, layout: GroupLayout):
         key = layout.signature()
         if key not in self._plans:
-            self._plans[key] = allgather_plan(layout, self.topology, self.rank)
+            self._plans[key] = allgather_plan(layout, self.topology, self.rank, max_pitch=self.max_pitch)
         return self._plans[key]
 
     def record(self, dev, e: int, layout: GroupLayout, shards, outputs) -> int:

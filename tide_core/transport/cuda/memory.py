@@ -29,6 +29,7 @@ from tide_core.transport.rail import P2PRail
 # summer); RS_READ: "I read the block you hold" (summer to holder); both for multi-node groups.
 # RS_ARRIVAL comes last: piece i of a chunk signals on kind RS_ARRIVAL + i.
 AG_READY, AG_DONE, RS_CREDIT, AG_SCATTERED, RS_INBOX, RS_READ, RS_ARRIVAL = range(7)
+AG_KINDS = (AG_READY, AG_DONE, AG_SCATTERED)  # valued by the all-gather epoch; the others by the chunk sequence
 RAIL_DATA, RAIL_ACK, RAIL_CREDIT = range(3)  # all-gather rail signal kinds, one slot per kind per Bruck round
 RS_RAIL_DATA, RS_RAIL_CREDIT = range(2)  # reduce-scatter rail slots (after the all-gather's): one word per sender node
 
@@ -95,13 +96,12 @@ class SymmetricMap:
         """Every node peer's word of ``kind`` in this rank's flags."""
         return [self.local_flag(kind, j) for j in self.peers]
 
-    def flag_words(self) -> list[int]:
-        """Every word this rank's streams may wait on (released after a stall)."""
+    def flag_words(self, all_gather: bool) -> list[int]:
+        """Every node-local word of the all-gather's kinds (``all_gather``) or the reduce-scatter's
+        this rank's streams may wait on (released after a stall, each from its own counter)."""
         L = self.topology.gpus_per_node
-        words = [self.local_flag(k, r) for k in range(self.flag_kinds) for r in range(L)]
-        if self.rail_flags is not None:
-            words += [self.rail_flags.ptr + offset for offset in range(0, self.rail_flags.nbytes, FLAG_LINE)]
-        return words
+        kinds = [k for k in range(self.flag_kinds) if (k in AG_KINDS) == all_gather]
+        return [self.local_flag(k, r) for k in kinds for r in range(L)]
 
     def rs_rail_slot(self, kind: int) -> int:
         return rs_rail_slot(kind, self.topology.nodes)

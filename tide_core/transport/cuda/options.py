@@ -9,12 +9,41 @@ adds what follows from the adapter's mode (``TIDEConfig.cuda_options()`` builds 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
+from tide_core.plan.buffers import MAX_CTAS
 from tide_core.transport.rail import RAILS
 
 SUM_KERNELS = ("auto", "tma", "regs")  # names tide_core._C maps to its kernel codes
 LOCAL_COPIES = ("kernel", "ce")
+#: Upper bounds of the integer settings: far past any useful value, low enough that every size and
+#: count derived from them fits the types tide_core._C and the driver take.
+INT_LIMITS = {
+    "sum_ctas": MAX_CTAS,
+    "local_copy_ctas": MAX_CTAS,
+    "chunk_slots": 1024,  # staging holds (L-1) x slots chunks
+    "copy_lanes": 64,  # copy streams
+    "round_width": 1024,  # rail round width k (<= nodes to matter)
+    "wave_width": 1024,  # Latin-square wave width W (<= L to matter)
+}
+MAX_MIB = float(1 << 16)  # chunk_mib, sum_slice_mib: 64 GiB, more than any GPU holds
+MAX_SECONDS = 30 * 86400.0  # timeout_s, heartbeat_s, peer_dead_s: 30 days
+
+
+def check_int(name: str, value, limit: int, allow_none: bool = False) -> None:
+    """``value`` an integer in [1, ``limit``] (or None where ``allow_none``); ValueError naming ``name``."""
+    if allow_none and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
+        none = " or None" if allow_none else ""
+        raise ValueError(f"{name}={value!r} must be an integer >= 1 and <= {limit}{none}")
+
+
+def check_number(name: str, value, limit: float) -> None:
+    """``value`` a finite number <= ``limit`` (infinity and NaN would fail later, naming no setting)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value > limit:
+        raise ValueError(f"{name}={value!r} must be a finite number <= {limit:.15g}")
 
 
 @dataclass
@@ -86,12 +115,13 @@ class CudaSettings:
                 raise ValueError(f"{name}={value!r} is not supported; choose one of {', '.join(allowed)}")
         if not isinstance(self.share_gpus, bool):
             raise ValueError(f"share_gpus={self.share_gpus!r} must be True or False")
-        for name in ("sum_ctas", "chunk_slots", "copy_lanes", "local_copy_ctas", "round_width"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1")
-        if self.wave_width is not None and (not isinstance(self.wave_width, int) or self.wave_width < 1):
-            raise ValueError(f"wave_width={self.wave_width!r} must be an integer >= 1 or None")
+        for name, limit in INT_LIMITS.items():
+            check_int(name, getattr(self, name), limit, allow_none=name == "wave_width")
+        for name in ("chunk_mib", "sum_slice_mib"):
+            check_number(name, getattr(self, name), MAX_MIB)
+        for name in ("timeout_s", "heartbeat_s", "peer_dead_s"):
+            if name != "timeout_s" or self.timeout_s is not None:  # None: the process group's timeout
+                check_number(name, getattr(self, name), MAX_SECONDS)
         if not self.sum_slice_mib >= 0:
             raise ValueError(f"sum_slice_mib={self.sum_slice_mib!r} must be >= 0 (0: no slicing)")
         if not self.chunk_mib > 0:

@@ -37,7 +37,10 @@ from tide_core.transport.rail import choose_rail
 log = logging.getLogger("tide")
 
 MAX_PROGRAMS = 4096  # recorded calls kept: ~3 per FSDP2 group (all-gather; reduce-scatter per slot phase)
-RELEASE_STEP = 1 << 24  # added to the newest epoch to unblock every pending wait after a stall
+# Added to a flag kind's own counter to unblock its pending waits after a stall. Flags compare
+# cyclically in 32 bits, so each kind is released from its own counter: the all-gather epoch and
+# the reduce-scatter chunk sequence drift apart without bound over a long run.
+RELEASE_STEP = 1 << 24
 
 
 class CudaWork:
@@ -153,7 +156,14 @@ class CudaTransport(Transport):
         barrier(self.groups.group, "CudaTransport", self.timeout_s)  # nobody signals into unzeroed flags
 
         self.streams = Streams.create(self.dev, options.copy_lanes, multi_node=self.rail is not None)
-        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options)
+        # Stage scatters (multi-node) copy strided runs with pitches up to S and L*s_p: ask the device
+        # once for the largest it takes; the plans copy row by row past it.
+        self.max_pitch = self.dev.max_pitch if self.rail is not None else None
+        if self.max_pitch is not None:
+            log.info(
+                "TIDE: 2-D copies take pitches up to %d bytes here; longer runs are copied row by row", self.max_pitch
+            )
+        self.all_gather_recorder = AllGatherRecorder(self.memory, self.streams, self.rail, options, self.max_pitch)
         self.level1 = Level1Recorder(self.memory, self.streams, options, pieces, self.dev.max_segments)
         self.level2 = None
         if self.rail is not None:
@@ -234,7 +244,11 @@ class CudaTransport(Transport):
 
     # -- fail-stop ---------------------------------------------------------------------------------
     def _release_after_stall(self, what: str) -> None:
-        self.dev.release_flags(self.memory.flag_words(), max(self.ag_epoch, self.rs_seq) + RELEASE_STEP)
+        for all_gather, counter in ((True, self.ag_epoch), (False, self.rs_seq)):
+            words = self.memory.flag_words(all_gather)
+            if self.rail is not None:
+                words += self.rail.signal_words(all_gather)
+            self.dev.release_flags(words, counter + RELEASE_STEP)
 
     def _check_alive(self) -> None:
         self.watchdog.check()

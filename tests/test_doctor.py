@@ -7,8 +7,14 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 
+import pytest
+import torch
+
+from tests.support.newer_torch import simulate_newer_torch
 from tide_core import doctor
+from tide_core.fsdp import profiles
 
 
 def _doctor(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -50,3 +56,28 @@ def test_text_report_names_torch_native_gpus_and_settings():
 def test_unknown_command_prints_usage():
     result = subprocess.run([sys.executable, "-m", "tide_core"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 2 and "python -m tide_core doctor" in result.stderr
+
+
+@pytest.mark.parametrize("fsdp2_changed", [False, True])
+def test_on_a_newer_torch_the_doctor_says_what_install_does(monkeypatch, fsdp2_changed):
+    """No torch cap: on a torch newer than the newest tested one the doctor reports what
+    tide_core.install decides (served as that version where FSDP2 matches it exactly, else stock
+    collectives with a reason naming both versions)."""
+    newest = simulate_newer_torch(fsdp2_changed, monkeypatch.setattr)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the install-time warning; the drift tests check it
+        report = doctor.collect(environ={})
+        expected = profiles.probe()
+    section, text = report["torch"], doctor.render(report)
+    assert section["newest_tested"] == newest and section["served"] is (expected[0] is not None)
+    assert section["served"] is not fsdp2_changed and section["reason"] == expected[1]
+    adapter_line = next(line for line in text.splitlines() if "TIDE's FSDP2 adapter:" in line)
+    if fsdp2_changed:
+        assert (
+            f"stock collectives: torch {torch.__version__} is newer than the newest version TIDE was tested on "
+            f"({newest}) and its FSDP2 does not match {newest}'s: foreach_reduce has parameters"
+        ) in adapter_line
+    else:
+        assert adapter_line.startswith("  TIDE's FSDP2 adapter: serves it (") and (
+            f"newer than the newest tested torch ({newest}), whose FSDP2 it matches exactly" in adapter_line
+        )

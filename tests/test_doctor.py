@@ -12,6 +12,7 @@ import warnings
 import pytest
 import torch
 
+import tide_core
 from tests.support.newer_torch import simulate_newer_torch
 from tide_core import doctor
 from tide_core.fsdp import profiles
@@ -32,6 +33,7 @@ def test_json_report_has_every_section_and_echoes_tide_settings():
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert set(report) >= {"tide", "torch", "tide_core._C", "gpus", "nccl", "transports", "rails", "tide_env"}
+    assert report["tide"]["version"] == tide_core.__version__  # the version's one source
     assert report["torch"]["version"].split("+")[0] == __import__("torch").__version__.split("+")[0]
     assert set(report["nccl"]["multicast_settings"]) == set(doctor.MULTICAST_ENV_VARS)
     assert set(report["transports"]) == {"reference", "cuda"}

@@ -86,7 +86,7 @@ def nvcc_version(nvcc: str) -> tuple[str | None, str | None]:
     return f"{version[0]}.{version[1]}", None
 
 
-def candidates(environ, cuda_root: Path = DEFAULT_CUDA_ROOT) -> list[tuple[str, str]]:
+def candidates(environ, cuda_root: Path) -> list[tuple[str, str]]:
     """(source, path) of every nvcc found, in the order tried (CUDACXX aside)."""
     found = [("PATH", shutil.which("nvcc", path=environ.get("PATH", "")))]
     for var in ("CUDA_HOME", "CUDA_PATH"):
@@ -116,13 +116,15 @@ def no_cuda(environ) -> bool:
 
 def decide(
     environ=None,
-    cuda_root: Path = DEFAULT_CUDA_ROOT,
+    cuda_root: Path | None = None,
     platform_key: tuple[str, str] | None = None,
     index_root: Path | None = None,
 ) -> Decision:
-    """The compiler for this build (module docstring). ``index_root``: the index's toolchain where
-    it is already in the build environment."""
+    """The compiler for this build (module docstring). ``cuda_root``: the default toolkit root
+    (None: ``DEFAULT_CUDA_ROOT``); ``index_root``: the index's toolchain where it is already in the
+    build environment."""
     environ = os.environ if environ is None else environ
+    cuda_root = DEFAULT_CUDA_ROOT if cuda_root is None else cuda_root
     platform_key = platform_key or (sys.platform, platform.machine())
     if no_cuda(environ):
         return Decision("none", reason=f"TIDE_NO_CUDA={environ['TIDE_NO_CUDA']}")

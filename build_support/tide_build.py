@@ -32,8 +32,9 @@ def _decide() -> Decision:
 
 def _settings(config_settings: dict | None) -> dict:
     decision = _decide()
+    settings = cmake_settings(decision, config_settings)  # raises where the index's compiler is missing
     print(f"tide_build: {decision.describe()}", file=sys.stderr, flush=True)
-    return cmake_settings(decision, config_settings)
+    return settings
 
 
 def get_requires_for_build_wheel(config_settings=None):

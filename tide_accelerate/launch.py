@@ -23,7 +23,7 @@ from accelerate.commands.config import default_config_file
 from accelerate.commands.config.config_args import ClusterConfig, SageMakerConfig, load_config_from_file
 from accelerate.commands.launch import launch_command_parser
 
-from tide_core.config import TIDEConfig, parse_field
+from tide_core.config import PRECEDENCE, TIDEConfig, env_var, parse_field
 
 USAGE = """\
 usage: tide-accelerate launch [--config_file CONFIG.yaml] [accelerate launch options] script.py [script args]
@@ -37,17 +37,23 @@ with TIDEConfig fields, e.g.
     mode: in_place        # in_place | slot_reuse
     transport: auto       # auto | reference | cuda
 
-Each becomes a TIDE_<FIELD> environment variable (replacing one already set). See docs/accelerate.md.
+Each becomes a TIDE_<FIELD> environment variable for every process, unless you set that variable
+yourself: yours wins, and the launch prints one line naming both values. Where a setting comes from:
+{precedence}. See docs/accelerate.md.
 """
+
+
+def usage() -> str:
+    return USAGE.format(precedence=PRECEDENCE)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] != ["launch"]:
-        print(USAGE, file=sys.stderr)
+        print(usage(), file=sys.stderr)
         return 2
     if argv[1:2] in (["-h"], ["--help"]):
-        print(USAGE + "\naccelerate launch options:")
+        print(usage() + "\naccelerate launch options:")
         launch_command_parser().print_help()
         return 0
     try:
@@ -97,7 +103,7 @@ def build_command(argv: list[str], environ: dict | None = None) -> tuple[list[st
     temp_config = None
     if config_file is not None:
         config, tide = read_config(config_file)
-        env.update(tide_environment(tide, config_file))
+        env.update(merge_tide_environment(tide_environment(tide, config_file), env, config_file))
         temp_config = write_accelerate_config(config, config_file)
         options = ["--config_file", temp_config] + options
         _warn_unless_fsdp2(config, config_file)
@@ -159,6 +165,32 @@ def tide_environment(tide: dict, path: str) -> dict:
     except ValueError as exc:
         raise ValueError(f"{path}: tide: {exc}") from None
     return env
+
+
+def merge_tide_environment(from_yaml: dict, environ: dict, path: str) -> dict:
+    """The ``tide:`` section's variables that the user has not set (a variable the user set wins,
+    as ``PRECEDENCE`` says); for each one set in both places with another value, one line naming
+    both goes to stderr. The settings the workers will read are checked together here."""
+    by_name = {env_var(f.name): f for f in fields(TIDEConfig)}
+    added = {}
+    for key, text in from_yaml.items():
+        if key not in environ:
+            added[key] = text
+            continue
+        field = by_name[key]
+        user = parse_field(field, environ[key], f"environment variable {key}")
+        if user != parse_field(field, text, field.name):
+            print(
+                f"tide-accelerate: {key}={environ[key]} from the environment overrides {field.name}: {text} in "
+                f"the tide: section of {path}",
+                file=sys.stderr,
+            )
+    tide_vars = {k: v for k, v in {**environ, **added}.items() if k in by_name}
+    try:
+        TIDEConfig.from_env(environ=tide_vars)
+    except ValueError as exc:
+        raise ValueError(f"{path}: the tide: section with the TIDE_* environment: {exc}") from None
+    return added
 
 
 def write_accelerate_config(config: dict, source: str) -> str:

@@ -1,6 +1,7 @@
 """TIDE's knobs: one dataclass, each field overridable by a ``TIDE_<FIELD>`` environment variable.
 
-Precedence: explicit arguments > a ``TIDEConfig`` passed in (used as is) > environment > defaults.
+Where a setting comes from: ``PRECEDENCE`` (the user's code first, then what the user set in the
+shell, then shipped files, then the defaults).
 """
 
 from __future__ import annotations
@@ -18,6 +19,14 @@ from tide_core.transport.cuda.options import CudaOptions, CudaSettings, check_in
 MODES = ("in_place", "slot_reuse")
 MAX_PARAMS = 1 << 16  # max_params: parameters of one group
 MAX_GPUS_PER_NODE = 1024  # gpus_per_node
+#: The one statement of which source of a setting wins (README's Configuration and
+#: ``tide-accelerate launch --help`` show it): code the user wrote beats the shell, which beats a
+#: YAML file that may be shipped and shared.
+PRECEDENCE = (
+    "explicit Python arguments (tide_core.install(mode=...), TIDEPlugin(...), TIDEFSDPStrategy(...)) > "
+    "a TIDEConfig passed to tide_core.install (used as is) > TIDE_* environment variables > "
+    "the tide: section of a tide-accelerate YAML > TIDEConfig's defaults"
+)
 #: TIDE_* variables that are not TIDEConfig fields: read by the build (CMakeLists.txt,
 #: build_support/) and scripts/ (setup_env, test, gpu).
 OTHER_ENV_VARS = (

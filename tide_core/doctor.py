@@ -19,7 +19,7 @@ import torch
 
 import tide_core
 from tide_core.config import OTHER_ENV_VARS, TIDEConfig, env_var
-from tide_core.fsdp.profiles import PROFILES, SUPPORTED_VERSIONS, probe, torch_version
+from tide_core.fsdp import profiles
 from tide_core.runtime import native
 from tide_core.transport import TRANSPORTS
 from tide_core.transport.availability import cuda_gpus_visible, cuda_version_text, native_unavailable_reason
@@ -30,19 +30,25 @@ MULTICAST_ENV_VARS = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "N
 
 
 def _torch_section() -> dict:
-    internals, reason = probe()
+    internals, reason = profiles.probe()
+    held_to = profiles.profile_version()
     info = {
         "version": torch.__version__,
         "cuda": torch.version.cuda,
-        "supported": [f"{major}.{minor}" for major, minor in SUPPORTED_VERSIONS],
+        "supported": [f"{major}.{minor}" for major, minor in profiles.SUPPORTED_VERSIONS],
+        "newest_tested": "{}.{}".format(*profiles.SUPPORTED_VERSIONS[-1]),
         "served": internals is not None,
         "reason": reason,
     }
-    profile = PROFILES.get(torch_version())
-    if internals is not None and profile is not None:
+    if internals is not None:
         info["how"] = "foreach_all_gather and foreach_reduce replaced; all-gather copy-out through " + (
-            "FSDPParamGroup._all_gather_output_fn" if profile.copy_out_hook else "foreach_all_gather_copy_out"
+            "FSDPParamGroup._all_gather_output_fn" if internals.profile.copy_out_hook else "foreach_all_gather_copy_out"
         )
+        if held_to != profiles.torch_version():
+            info["how"] += (
+                f"; newer than the newest tested torch ({info['newest_tested']}), whose FSDP2 it matches "
+                "exactly: served as that version, untested"
+            )
     return info
 
 
@@ -174,7 +180,7 @@ def render(report: dict) -> str:
         f"TIDE {report['tide']['version']} ({report['tide']['location']})",
         f"Python {report['python']} on {report['platform']}",
         "",
-        f"torch {t['version']} (CUDA {t['cuda'] or 'none: CPU build'}); TIDE supports {', '.join(t['supported'])}",
+        f"torch {t['version']} (CUDA {t['cuda'] or 'none: CPU build'}); TIDE was tested on {', '.join(t['supported'])}",
         f"  TIDE's FSDP2 adapter: {adapter}",
         "",
     ]

@@ -132,9 +132,9 @@ def test_the_yaml_switch_reaches_the_workers(tmp_path, monkeypatch):
     assert "\n  enabled: true " in CONFIG.read_text()  # the shipped YAML shows the switch
     config = tmp_path / "off.yaml"
     config.write_text(CONFIG.read_text().replace("  enabled: true ", "  enabled: false"))
-    _, env, temp_config = build_command(["--config_file", str(config), str(EXAMPLE)], environ={"TIDE_ENABLED": "1"})
+    _, env, temp_config = build_command(["--config_file", str(config), str(EXAMPLE)], environ={})
     os.unlink(temp_config)
-    assert env["TIDE_ENABLED"] == "false"  # the section replaces the shell's value
+    assert env["TIDE_ENABLED"] == "false"
     monkeypatch.delenv("TIDE_ENABLED", raising=False)
     assert TIDEPlugin(options={"max_params": 8}).enabled is True
     monkeypatch.setenv("TIDE_ENABLED", env["TIDE_ENABLED"])  # what every worker's TIDEPlugin() reads
@@ -250,10 +250,57 @@ def test_build_command_strips_the_tide_section(tmp_path):
         assert "tide" not in written and written["fsdp_config"]["fsdp_version"] == 2
     finally:
         os.unlink(temp_config)
-    # The section replaces variables already set; the others stay.
-    assert env["TIDE_MODE"] == "in_place" and env["TIDE_TRANSPORT"] == "auto" and env["TIDE_MAX_PARAMS"] == "8"
+    # The section fills in what the shell does not set; variables the user set win.
+    assert env["TIDE_MODE"] == "slot_reuse" and env["TIDE_TRANSPORT"] == "auto" and env["TIDE_MAX_PARAMS"] == "8"
     with pytest.raises(ValueError, match="--no_python cannot be used"):
         build_command(["--config_file", str(CONFIG), "--no_python", "train.sh"], environ={})
+
+
+def test_a_variable_the_user_set_beats_the_yaml_and_the_launch_says_so(capsys):
+    """TIDE_ENABLED=0 on the shipped YAML (enabled: true) switches TIDE off for the launch, with one
+    line naming both values; a variable equal to the YAML's value, or one the YAML lacks, says nothing."""
+    from tide_accelerate.launch import build_command
+
+    environ = {"TIDE_ENABLED": "0", "TIDE_MODE": "in_place", "TIDE_MAX_PARAMS": "8"}
+    _, env, temp_config = build_command(["--config_file", str(CONFIG), str(EXAMPLE)], environ=environ)
+    os.unlink(temp_config)
+    assert env["TIDE_ENABLED"] == "0" and env["TIDE_MODE"] == "in_place" and env["TIDE_TRANSPORT"] == "auto"
+    assert capsys.readouterr().err == (
+        "tide-accelerate: TIDE_ENABLED=0 from the environment overrides enabled: true in the tide: section of "
+        f"{CONFIG}\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "section, environ, fragments",
+    [
+        ("", {"TIDE_ENABLED": "maybe"}, ["environment variable TIDE_ENABLED='maybe' cannot be parsed as bool"]),
+        (  # each source alone is valid; together they contradict
+            "  exact_stock_sums: true\n",
+            {"TIDE_FP32_REDUCE": "1"},
+            [
+                "the tide: section with the TIDE_* environment: environment variables ",
+                "fp32_reduce=True (keep fp32 sums) contradicts exact_stock_sums=True",
+            ],
+        ),
+    ],
+)
+def test_the_users_variables_are_checked_before_the_launch(tmp_path, section, environ, fragments):
+    from tide_accelerate.launch import build_command
+
+    config = bad_config(tmp_path, section)
+    with pytest.raises(ValueError) as raised:
+        build_command(["--config_file", str(config), str(EXAMPLE)], environ=environ)
+    assert all(fragment in str(raised.value) for fragment in fragments), raised.value
+
+
+def test_help_states_where_each_setting_comes_from(capsys):
+    from tide_accelerate.launch import main
+    from tide_core.config import PRECEDENCE
+
+    assert main(["launch", "--help"]) == 0
+    assert " ".join(PRECEDENCE.split()) in " ".join(capsys.readouterr().out.split())
+    assert "TIDE_* environment variables > the tide: section" in PRECEDENCE
 
 
 def test_launcher_ignores_a_file_planted_at_the_old_shared_path(tmp_path, monkeypatch):

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from tests.fsdp.models import loss_fn
 from tests.fsdp.test_adapter import batches, build
 from tests.support.dist import run_distributed
+from tests.support.newer_torch import simulate_newer_torch
 from tide_core.fsdp import accessors, landing, profiles
 from tide_core.fsdp.calls import ReduceOutcome
 from tide_core.fsdp.grads import set_sharded_grads
@@ -111,20 +112,75 @@ def test_helpers_tide_calls_keep_their_signatures():
     assert list(inspect.signature(fsdp_param.FSDPParam.to_sharded_dtensor).parameters) == ["self", "tensor"]
 
 
-def test_unknown_torch_falls_back_and_warns_once_naming_the_tested_versions(monkeypatch, caplog):
-    monkeypatch.setattr(torch, "__version__", "9.1.0")
+def test_older_torch_falls_back_and_warns_once_naming_the_tested_versions(monkeypatch, caplog):
+    monkeypatch.setattr(torch, "__version__", "2.10.0")
     monkeypatch.setattr(profiles, "_warned_unknown", set())
     with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="tide"):
         warnings.simplefilter("always")
         first = profiles.probe()
         second = profiles.probe()
     assert first == second == (None, first[1])
-    assert "torch 9.1.0 is not a version TIDE knows" in first[1]
+    assert "torch 2.10.0 is not a version TIDE knows" in first[1]
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1, messages  # once per process, however many installs
     tested = ", ".join(f"{v[0]}.{v[1]}" for v in profiles.SUPPORTED_VERSIONS)
     assert f"tested on torch {tested}" in messages[0]
     assert sum("tested on torch" in r.getMessage() for r in caplog.records) == 1
+
+
+def _install_on_newer_torch(rank, world_size, fsdp2_changed):
+    import tide_core
+
+    newest = simulate_newer_torch(fsdp2_changed)
+    model, stock = build(), build()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        handle = tide_core.install(model, transport="reference")
+    losses = []
+    for net in (model, stock):
+        loss = loss_fn(net, batches(rank, 1)[0])
+        loss.backward()
+        losses.append(loss.item())
+    grads = [
+        (a.grad.to_local() - b.grad.to_local()).abs().max().item()
+        for a, b in zip(model.parameters(), stock.parameters())
+    ]
+    return {
+        "newest": newest,
+        "version": torch.__version__,
+        "served": len(handle.served_groups),
+        "groups": len(handle.entries),
+        "reasons": [e.reason for e in handle.entries],
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)],
+        "loss_diff": abs(losses[0] - losses[1]),
+        "grad_diff": max(grads),
+    }
+
+
+def test_newer_torch_whose_fsdp2_matches_the_newest_profile_is_served():
+    """No torch cap: a torch newer than the newest tested version whose FSDP2 matches that version's
+    profile exactly is served, with one warning, and trains like stock FSDP2 (2 gloo ranks)."""
+    for r in run_distributed(_install_on_newer_torch, 2, args=(False,), timeout=120):
+        assert r["served"] == r["groups"] > 0 and r["reasons"] == [None] * r["groups"], r
+        assert len(r["warnings"]) == 1, r["warnings"]
+        assert (
+            f"torch {r['version']} is newer than the newest version TIDE was tested on ({r['newest']})"
+            in (r["warnings"][0])
+        )
+        assert f"so TIDE serves it as {r['newest']}, untested" in r["warnings"][0]
+        assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, r
+
+
+def test_newer_torch_whose_fsdp2_changed_falls_back_naming_both_versions():
+    for r in run_distributed(_install_on_newer_torch, 2, args=(True,), timeout=120):
+        assert r["served"] == 0 and r["groups"] > 0, r
+        expected = (
+            f"torch {r['version']} is newer than the newest version TIDE was tested on ({r['newest']}) and its "
+            f"FSDP2 does not match {r['newest']}'s: foreach_reduce has parameters"
+        )
+        assert all(reason and reason.startswith(expected) and "'bucket_mib'" in reason for reason in r["reasons"]), r
+        assert len(r["warnings"]) == 1 and expected in r["warnings"][0], r["warnings"]
+        assert r["loss_diff"] == 0.0 and r["grad_diff"] == 0.0, r  # stock collectives, stock results
 
 
 # -- behaviour on stock FSDP2 (2 gloo ranks) ----------------------------------------------------

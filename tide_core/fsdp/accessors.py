@@ -13,10 +13,9 @@ import torch.distributed as dist
 from tide_core.fsdp.profiles import (
     FSDP_PARAM_ATTRIBUTES,
     FSDP_PARAM_GROUP_ATTRIBUTES,
-    PROFILES,
     FSDPInternals,
     TorchProfile,
-    torch_version,
+    running_profile,
 )
 
 
@@ -93,7 +92,7 @@ def reduce_dtype(param_group) -> torch.dtype | None:
     reduce_dtype, else up to 2.14 the gradients' dtype (param_dtype, else the parameter's), and since
     2.15 the parameter's grad_dtype (unset: its own dtype); 2.15 reduces a group whose parameters
     differ in the promoted dtype (FSDPParamGroup._get_reduce_dtype)."""
-    profile = PROFILES.get(torch_version())
+    profile = running_profile()
     dtypes = {_param_reduce_dtype(fp, profile) for fp in trainable_params(param_group)}
     if not dtypes:
         return None

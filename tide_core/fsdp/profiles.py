@@ -13,7 +13,12 @@ returns. Adding a torch version is one profile here (docs/torch-compat.md says h
 TIDE serves groups only when the running torch has a profile *and* the replaced functions still
 have exactly the parameters recorded in it; otherwise every group falls back to stock collectives
 with the reason in the install report (and, for an unknown version, one loud warning naming the
-versions TIDE was tested on).
+versions TIDE was tested on). A torch newer than the newest tested version is held to that
+version's profile: served where its FSDP2 matches it exactly (with a warning that it is untested),
+else stock collectives with a reason naming both versions. The package does not cap torch, so
+installing TIDE never downgrades it; this check is what keeps a newer torch safe. Only the newest
+profile is tried: older ones share its replaced functions' parameters in places but differ in
+behaviour (the reduce's return value, the reduce dtype) that no signature shows.
 """
 
 from __future__ import annotations
@@ -197,13 +202,33 @@ PROFILES = {v: _profile(v) for v in ((2, 11), (2, 12), (2, 13), (2, 14), (2, 15)
 SUPPORTED_VERSIONS = tuple(PROFILES)
 
 
+def _text(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
 def _versions_text() -> str:
-    return ", ".join(f"{v[0]}.{v[1]}" for v in SUPPORTED_VERSIONS)
+    return ", ".join(_text(v) for v in SUPPORTED_VERSIONS)
 
 
 def torch_version() -> tuple[int, int]:
     major, minor = torch.__version__.split("+")[0].split(".")[:2]
     return int(major), int(minor)
+
+
+def profile_version(version: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """The profile TIDE holds torch ``version`` (default: the running one) to: its own; for a torch
+    newer than the newest tested version, the newest's; None for an older one."""
+    version = torch_version() if version is None else version
+    if version in PROFILES:
+        return version
+    newest = max(PROFILES)
+    return newest if version > newest else None
+
+
+def running_profile() -> TorchProfile | None:
+    """The profile of ``profile_version()``: what the adapter reads for the running torch."""
+    version = profile_version()
+    return None if version is None else PROFILES[version]
 
 
 # -- probing ----------------------------------------------------------------------------------
@@ -221,19 +246,21 @@ class FSDPInternals:
 _warned_unknown: set[str] = set()
 
 
-def _warn_unknown_version(reason: str) -> None:
+def _warn_once(message: str) -> None:
     """Once per process and torch version: a warning and a log line, not only the report."""
     if torch.__version__ in _warned_unknown:
         return
     _warned_unknown.add(torch.__version__)
-    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS[0], SUPPORTED_VERSIONS[-1]
-    message = (
-        f"TIDE: {reason}; every FSDP2 group runs stock collectives. TIDE was tested on torch "
-        f"{_versions_text()}: install one of those (pip install 'torch>={low_major}.{low_minor},"
-        f"<{high_major}.{high_minor + 1}') to use TIDE."
-    )
     log.warning("%s", message)
     warnings.warn(message, RuntimeWarning, stacklevel=4)  # points at the caller of tide_core.install
+
+
+def _install_hint() -> str:
+    (low_major, low_minor), (high_major, high_minor) = SUPPORTED_VERSIONS[0], SUPPORTED_VERSIONS[-1]
+    return (
+        f"TIDE was tested on torch {_versions_text()}: install one of those (pip install "
+        f"'torch>={low_major}.{low_minor},<{high_major}.{high_minor + 1}') to use TIDE"
+    )
 
 
 def _parameters(fn) -> list[str]:
@@ -243,11 +270,28 @@ def _parameters(fn) -> list[str]:
 def probe() -> tuple[FSDPInternals | None, str | None]:
     """(internals, None) when TIDE can serve groups on this torch, else (None, reason)."""
     version = torch_version()
-    profile = PROFILES.get(version)
-    if profile is None:
+    held_to = profile_version(version)
+    if held_to is None:
         reason = f"torch {torch.__version__} is not a version TIDE knows ({_versions_text()})"
-        _warn_unknown_version(reason)
+        _warn_once(f"TIDE: {reason}; every FSDP2 group runs stock collectives. {_install_hint()}.")
         return None, reason
+    internals, mismatch = _match(version, PROFILES[held_to])
+    if held_to == version:
+        return internals, mismatch
+    newer = f"torch {torch.__version__} is newer than the newest version TIDE was tested on ({_text(held_to)})"
+    if mismatch is not None:
+        reason = f"{newer} and its FSDP2 does not match {_text(held_to)}'s: {mismatch}"
+        _warn_once(f"TIDE: {reason}; every FSDP2 group runs stock collectives. {_install_hint()}.")
+        return None, reason
+    _warn_once(
+        f"TIDE: {newer}; its FSDP2 matches {_text(held_to)}'s exactly (the replaced functions' parameters, "
+        f"the methods and helpers TIDE uses), so TIDE serves it as {_text(held_to)}, untested on this version"
+    )
+    return internals, None
+
+
+def _match(version: tuple[int, int], profile: TorchProfile) -> tuple[FSDPInternals | None, str | None]:
+    """(internals, None) when the running torch's FSDP2 is exactly what ``profile`` records."""
     try:
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives, _fsdp_param, _fsdp_param_group
     except ImportError as exc:

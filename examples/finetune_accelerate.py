@@ -99,6 +99,7 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--log-every", type=int, default=10, help="print loss, tokens/s and memory every N steps")
     args = parser.parse_args(argv)
+    launched_ranks_share_gpus()  # sets TIDE_SHARE_GPUS before TIDE's settings are read below
 
     # Before the Accelerator exists, so that it also applies on CPU-only machines.
     if args.compare_stock or args.mode or args.transport:

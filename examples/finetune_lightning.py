@@ -98,6 +98,11 @@ def run(args, strategy, name: str) -> dict:
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     # Ranks sharing GPUs were started one per "node" (launch_ranks_sharing_gpus)
     devices, nodes = (1, args.devices) if ranks_share_gpus(args) else (args.devices, 1)
+    if nodes > 1 and not torch.distributed.is_initialized():
+        # gloo without a bound device (Lightning would bind one): torch's DeviceMesh then builds its
+        # groups with new_group, since splitting a device-bound gloo group fails on torch 2.11
+        # ("cannot pickle ... _Options"). Lightning uses a process group that already exists.
+        torch.distributed.init_process_group("gloo", rank=int(os.environ["NODE_RANK"]), world_size=args.devices)
     trainer = L.Trainer(
         accelerator=accelerator,
         devices=devices,

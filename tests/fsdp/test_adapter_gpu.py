@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.fsdp.models import TinyLM, loss_fn
-from tests.support.dist import run_distributed
+from tests.support.dist import full_tensor, run_distributed
 
 pytestmark = pytest.mark.cuda
 
@@ -33,7 +33,7 @@ def _train(model, rank, steps=5):
         loss_fn(model, tokens).backward()
         opt.step()
         opt.zero_grad()
-    return {n: p.full_tensor().detach().float().cpu() for n, p in model.named_parameters()}
+    return {n: full_tensor(p).float() for n, p in model.named_parameters()}
 
 
 def _parity_and_trace(rank, world_size):

@@ -179,3 +179,23 @@ def run_distributed(
         codes = {r: procs[r].exitcode for r in missing}
         raise DistributedTestError(f"ranks {missing} did not finish within {timeout:.0f} s (exit codes {codes})")
     return [outcome[r][1] for r in range(world_size)]
+
+
+def full_tensor(t):
+    """``t.full_tensor()`` of an FSDP2 (Shard(0)) DTensor, on the CPU. Over gloo with CUDA tensors
+    (ranks sharing a GPU) the shards are gathered through the CPU: DTensor's functional all-gather
+    of CUDA tensors over gloo crashes the process (torch 2.11, seen on one H100)."""
+    import torch
+    import torch.distributed as dist
+
+    if not hasattr(t, "full_tensor"):
+        return t.detach().cpu()
+    if not (t.device.type == "cuda" and dist.get_backend(t.device_mesh.get_group()) == "gloo"):
+        return t.full_tensor().detach().cpu()
+    (placement,) = t.placements
+    if not (placement.is_shard() and placement.dim == 0):
+        raise ValueError(f"full_tensor: only Shard(0) DTensors are gathered through the CPU, not {placement}")
+    group = t.device_mesh.get_group()
+    pieces: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, t.to_local().detach().cpu(), group=group)
+    return torch.cat(pieces, dim=0)

@@ -79,7 +79,7 @@ def _suite(rank, world_size, seed):
             for t in (small, big):
                 outs = t.landing_buffers(lay, slot=slot, dtype=dtype)
                 for o in outs:
-                    o.fill_(float("nan"))  # poisoned: every element must be overwritten
+                    o.fill_(0xFF if dtype == torch.uint8 else float("nan"))  # poisoned: all overwritten
                 t.all_gather(lay, [s.to(dev) for s in shards[rank]], outs).wait()
                 torch.cuda.synchronize()
                 for p in range(lay.num_params):

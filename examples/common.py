@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from tide_core.config import env_var
 from tide_core.fsdp.metrics import run_totals
 
 # Named Llama-architecture configs for random-init runs (no download). "tiny" is the CPU demo.
@@ -87,7 +88,7 @@ def add_common_args(parser: argparse.ArgumentParser, *, tide_from_launch: bool =
     return parser
 
 
-SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus: ranks that share a GPU
+SHARED_GPUS_ENV = env_var("share_gpus")  # TIDEConfig.share_gpus: ranks that share a GPU
 
 
 def ranks_share_gpus(args) -> bool:

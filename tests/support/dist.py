@@ -21,6 +21,8 @@ import time
 import traceback
 from datetime import timedelta
 
+from tide_core.config import env_var
+
 _CTX = None
 
 
@@ -42,7 +44,7 @@ class DistributedTestError(AssertionError):
     pass
 
 
-SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus's variable
+SHARED_GPUS_ENV = env_var("share_gpus")  # TIDEConfig.share_gpus's variable
 
 
 def cuda_backend(world_size: int) -> tuple[str, dict]:

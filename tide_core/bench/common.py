@@ -16,6 +16,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from tide_core.config import env_var
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -23,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SHARED_GPUS_ENV = "TIDE_SHARE_GPUS"  # TIDEConfig.share_gpus
+SHARED_GPUS_ENV = env_var("share_gpus")  # TIDEConfig.share_gpus
 
 
 def launch(worker, args, world_size: int | None = None, backend: str | None = None):

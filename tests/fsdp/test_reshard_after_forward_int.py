@@ -46,12 +46,12 @@ def _lm(*, root_reshard, mixed: bool = False, mp: bool = False, hsdp: bool = Fal
     return model
 
 
-def _train(mode, rank, *, flags=(None, None, None), ring: bool = True, **build):
+def _train(mode, rank, *, flags=(None, None, None), options=None, **build):
     """One step per entry of ``flags``: a bool sets the blocks' reshard_after_forward before that
     step (True: the full shard group from then on; False: kept unsharded after forward, so backward
-    gathers nothing)."""
+    gathers nothing). ``options``: TIDE's install options."""
     model = _lm(**build)
-    rec = Recorder(model, mode, **({} if ring else {"ring": False}))
+    rec = Recorder(model, mode, **(options or {}))
     opt = adam(model)
     for step, tokens in enumerate(lm_tokens(rank, len(flags))):
         if flags[step] is not None:
@@ -70,8 +70,11 @@ SCENARIOS = {
     "toggle to the full mesh": (_train, {"root_reshard": False, "flags": (None, True, True, None)}),
     "toggle: kept unsharded, then full mesh": (
         _train,
-        {"root_reshard": False, "flags": (None, False, True, None), "ring": False},
+        {"root_reshard": False, "flags": (None, False, True, None), "options": {"ring": False}},
     ),
+    # Emulated nodes: the post-forward group is one node's 2 ranks, or 2 nodes of 1 (Bruck rounds).
+    "2 nodes x 2": (_train, {"root_reshard": True, "options": {"gpus_per_node": 2}}),
+    "4 nodes x 1": (_train, {"root_reshard": True, "options": {"gpus_per_node": 1}}),
     "HSDP 2 x 4": (_train, {"root_reshard": False, "hsdp": True}),
 }
 ON_4_RANKS = [name for name in SCENARIOS if not name.startswith("HSDP")]
@@ -121,7 +124,7 @@ def _assert_close(result: dict, name: str, served: int, tolerance: float) -> Non
         assert max(r["loss"], r["grad"], r["param"]) <= tolerance, where
 
 
-@pytest.mark.parametrize("name", ["root True", "root False", "toggle to the full mesh"])
+@pytest.mark.parametrize("name", ["root True", "root False", "toggle to the full mesh", "2 nodes x 2", "4 nodes x 1"])
 def test_fp32_blocks_resharding_to_2_ranks_train_like_stock(four_ranks, name):
     _assert_close(four_ranks[0], name, served=5, tolerance=1e-5)
 

@@ -178,7 +178,7 @@ def test_parity_on_4_ranks_and_emulated_2x2_topology():
         ("fp32 4 ranks", {}),
         ("bf16-mixed 4 ranks as 2 nodes x 2", {"mp": True, "gpus_per_node": 2}),
         ("fp32 HSDP 2 replicas x 2 shards", {"hsdp": True}),
-        ("fp32 reshard_after_forward=2 (blocks fall back)", {"reshard": 2, "served": 1}),
+        ("fp32 reshard_after_forward=2", {"reshard": 2}),
     ]
     results = run_distributed(_parity, 4, args=(configs,), timeout=300)[0]
     for name, r in results.items():

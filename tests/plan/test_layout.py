@@ -88,3 +88,39 @@ def test_topology_node_major_ranks_and_errors():
         Topology(nodes=0, gpus_per_node=2)
     with pytest.raises(PlanError, match="gpus_per_node=-1"):
         Topology(nodes=1, gpus_per_node=-1)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_post_forward_layout_lands_where_the_full_layout_does(seed):
+    """reshard_after_forward=k: rank j keeps 1/k of every padded unsharded parameter (FSDP2 narrows
+    the N*R_p-row all-gather output), i.e. the full layout's shards j*m .. j*m+m-1 (m = N/k), and
+    gathers them into the same bytes; padding as FSDP2's, not ceil(D_p/k)."""
+    rng = random.Random(seed)
+    k, m = rng.randint(1, 4), rng.randint(1, 4)
+    N = k * m
+    shapes = [(rng.randint(1, 3 * N), rng.randint(1, 9)) for _ in range(rng.randint(1, 8))]
+    if rng.random() < 0.5:
+        full = GroupLayout.from_shapes(shapes, world_size=N, itemsize=rng.choice([1, 2, 4]))
+    else:  # several dtypes moved as bytes, every o_p aligned to 16 bytes
+        full = GroupLayout.bytes_of(shapes, [rng.choice([2, 4, 8]) for _ in shapes], world_size=N)
+    post = full.post_forward(k)
+    assert post.world_size == k and post.group_bytes == full.group_bytes
+    for p, (d, _) in enumerate(shapes):
+        assert post.padded_rows(p) == m * math.ceil(d / N)  # FSDP2's 1/k of the padded rows
+        assert post.unsharded_numel(p) == full.unsharded_numel(p)
+        assert sum(post.valid_rows(p, j) for j in range(k)) == d
+        for j in range(k):
+            assert post.landing(p, j) == full.landing(p, j * m)
+            assert post.shard_bytes(p) == sum(full.shard_bytes(p) for _ in range(m))
+
+
+def test_post_forward_layout_pads_like_fsdp2():
+    # D = 5 rows over N = 4: R = 2, padded 8 rows; k = 2 keeps 4 rows each (ceil(5/2) would be 3).
+    full = GroupLayout.from_shapes([(5, 3), (7,)], world_size=4, itemsize=4)
+    post = full.post_forward(2)
+    assert [post.padded_rows(p) for p in range(2)] == [4, 4]
+    assert post.valid_rows(0, 1) == 1 and post.signature() != full.signature()
+    with pytest.raises(PlanError, match="must divide world_size=4"):
+        full.post_forward(3)
+    with pytest.raises(PlanError, match="cannot hold"):
+        GroupLayout((5,), (3,), world_size=2, shard_rows=(2,))

@@ -125,7 +125,22 @@ def param_group_device(param_group) -> torch.device:
 
 
 def shard_process_group(param_group) -> dist.ProcessGroup:
+    """The group's shard process group (the full one: install reads it while the group is sharded)."""
     return param_group._all_gather_process_group
+
+
+def post_forward_process_group(param_group) -> dist.ProcessGroup | None:
+    """``reshard_after_forward=int``: the smaller process group the group reshards to after forward
+    and all-gathers over in backward (None: no post-forward mesh, now)."""
+    if not param_group._use_post_forward_mesh:
+        return None
+    return param_group.post_forward_mesh_info.shard_process_group
+
+
+def post_forward_group_size(param_group) -> int | None:
+    """How many ranks the group reshards to after forward (``reshard_after_forward=int``), else None."""
+    group = post_forward_process_group(param_group)
+    return None if group is None else group.size()
 
 
 def reshards_after_forward(param_group) -> bool:
@@ -166,8 +181,6 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
             return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
         if getattr(fp, "_unsharded_dtensor_spec", None) is not None or getattr(fp, "_tp_spec", None) is not None:
             return f"parameter {name} is also tensor-parallel (a DTensor on a 2-D+ mesh)"
-    if param_group._use_post_forward_mesh:
-        return "reshard_after_forward=int (post-forward mesh) is served by stock collectives"
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     if not isinstance(param_group._all_gather_comm, DefaultAllGather) or not isinstance(

@@ -148,6 +148,9 @@ class TIDEHandle:
         for e in self.entries:
             if e.active:
                 status = f"TIDE, {e.served.placement}"
+                post_forward = accessors.post_forward_group_size(e.served.param_group)
+                if post_forward is not None:
+                    status += f"; reshards to {post_forward} ranks after forward"
                 if not e.trainable:
                     status += "; all-gather only (no trainable parameter, nothing to reduce)"
             else:
@@ -226,6 +229,31 @@ def _topology(process_group, config: TIDEConfig, hosts: list[str]) -> tuple[Topo
     return Topology.from_world_size(size, L), None
 
 
+def _post_forward_topology(param_group, topo: Topology, config: TIDEConfig) -> tuple[Topology | None, str | None]:
+    """The topology of the group's post-forward process group (``reshard_after_forward=k``), else
+    why it cannot be served. FSDP2 cuts the shard mesh into rows of k ranks, so the post-forward
+    group is k consecutive ranks of the shard group: part of one node where k divides the node's
+    L ranks, whole nodes where L divides k."""
+    group = accessors.post_forward_process_group(param_group)
+    k, L = group.size(), topo.gpus_per_node
+    if accessors.param_group_device(param_group).type == "cuda" and config.transport != "reference":
+        return None, (
+            f"reshard_after_forward={k}: the CUDA transport pushes only into landings in its own "
+            "symmetric arena, and a transport over the post-forward group has an arena of its own "
+            "(transport='reference' serves it)"
+        )
+    shard_ranks = dist.get_process_group_ranks(accessors.shard_process_group(param_group))
+    ranks = dist.get_process_group_ranks(group)
+    first = shard_ranks.index(ranks[0]) if ranks[0] in shard_ranks else -1
+    if first < 0 or first % k or shard_ranks[first : first + k] != ranks:
+        return None, f"reshard_after_forward={k}: the post-forward group {ranks} is not a row of the shard group"
+    if L % k == 0:
+        return Topology.from_world_size(k, k), None
+    if k % L == 0:
+        return Topology.from_world_size(k, L), None
+    return None, f"reshard_after_forward={k} splits nodes of {L} ranks (node-local or whole nodes are served)"
+
+
 # -- install / uninstall --------------------------------------------------------------------------
 
 
@@ -280,9 +308,11 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         dtypes = accessors.all_gather_dtypes(param_group)
         shard_bytes = sum(n * d.itemsize for n, d in zip(accessors.padded_shard_numels(param_group), dtypes))
         reason = unsupported or _ineligible(param_group, config, names)
-        topo = None
+        topo = post_forward_topo = None
         if reason is None:
             topo, reason = _topology(accessors.shard_process_group(param_group), config, hosts)
+        if reason is None and accessors.post_forward_process_group(param_group) is not None:
+            post_forward_topo, reason = _post_forward_topology(param_group, topo, config)
         dtype = "+".join(str(d).replace("torch.", "") for d in sorted(set(dtypes), key=dtypes.index))
         entries.append(
             GroupEntry(
@@ -296,7 +326,8 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                 trainable=bool(accessors.trainable_params(param_group)),
             )
         )
-        plans.append((param_group, topo, config.ring and _ring_eligible(param_group, module, fsdp_modules)))
+        ring_ok = config.ring and _ring_eligible(param_group, module, fsdp_modules)
+        plans.append((param_group, topo, post_forward_topo, ring_ok))
 
     # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
     # different local shapes, and their groups fall back (the reason must agree).
@@ -316,37 +347,44 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     rings: dict = {}
     handle = TIDEHandle(model, config, internals, entries, transports, rings)
     ring_members: dict = {}
-    for entry, (param_group, topo, ring_ok) in zip(entries, plans):
+    for entry, (param_group, topo, post_forward_topo, ring_ok) in zip(entries, plans):
         if entry.install_reason is not None:
             continue
-        process_group = accessors.shard_process_group(param_group)
-        key = (id(process_group), topo)
-        if key not in transports:
-            try:
-                single_host = len({hosts[r] for r in dist.get_process_group_ranks(process_group)}) == 1
-                transports[key] = make_transport(
-                    config.transport,
-                    topo,
-                    process_group,
-                    device=accessors.param_group_device(param_group),
-                    options=config.cuda_options(),
-                    validate_calls=config.validate_calls,
-                    single_host=single_host,
-                )
-            except TIDEError as exc:
-                if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
-                    for served in entries:  # leave the model as install found it
-                        if served.served:
-                            unmark_served(served.served.param_group)
-                    for transport in transports.values():
-                        transport.close()
-                    raise TIDEError(
-                        f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
-                        "collectives where the CUDA transport cannot serve)"
-                    ) from exc
-                entry.install_reason = f"transport unavailable: {exc}"
-                continue
-        group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None)
+        # One transport per (process group, topology); a group that reshards to a smaller group
+        # after forward (reshard_after_forward=int) also gets one over that group.
+        wanted = [(accessors.shard_process_group(param_group), topo)]
+        if post_forward_topo is not None:
+            wanted.append((accessors.post_forward_process_group(param_group), post_forward_topo))
+        keys = [(id(process_group), t) for process_group, t in wanted]
+        try:
+            for key, (process_group, t) in zip(keys, wanted):
+                if key not in transports:
+                    single_host = len({hosts[r] for r in dist.get_process_group_ranks(process_group)}) == 1
+                    transports[key] = make_transport(
+                        config.transport,
+                        t,
+                        process_group,
+                        device=accessors.param_group_device(param_group),
+                        options=config.cuda_options(),
+                        validate_calls=config.validate_calls,
+                        single_host=single_host,
+                    )
+        except TIDEError as exc:
+            if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
+                for served in entries:  # leave the model as install found it
+                    if served.served:
+                        unmark_served(served.served.param_group)
+                for transport in transports.values():
+                    transport.close()
+                raise TIDEError(
+                    f"group {entry.index} ({entry.name}): {exc} (transport='auto' keeps stock "
+                    "collectives where the CUDA transport cannot serve)"
+                ) from exc
+            entry.install_reason = f"transport unavailable: {exc}"
+            continue
+        key = keys[0]
+        post_forward_transport = transports[keys[1]] if len(keys) > 1 else None
+        group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None, post_forward_transport)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
         mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)

@@ -11,11 +11,14 @@ import torch
 
 class AllGatherCall(NamedTuple):
     """``foreach_all_gather`` for a served group: the shards FSDP2 would all-gather (its fused cast
-    under mixed precision already applied, in the copy-in stream) and its two streams."""
+    under mixed precision already applied, in the copy-in stream), its two streams and the process
+    group it gathers over (the shard group, or after forward the post-forward group of
+    ``reshard_after_forward=int``)."""
 
     shards: list[torch.Tensor]
     copy_in_stream: Any
     all_gather_stream: Any
+    process_group: Any
 
 
 class DivideFactors(NamedTuple):

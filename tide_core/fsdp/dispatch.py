@@ -116,6 +116,10 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
             group = None
         if group is None or group.fsdp_params != list(fsdp_params):
             return stock_all_gather(*args, **kwargs)
+        if group.landings is None and group.is_post_forward(arguments["group"]):
+            # Installed between a stock forward and its backward: FSDP2's unsharded parameters (which
+            # autograd saved) live over its own storage, so this re-gather must land there too.
+            return stock_all_gather(*args, **kwargs)
         copy_in_stream = arguments["all_gather_copy_in_stream"]
         with torch.no_grad():
             with getattr(torch, arguments["device"].type).stream(copy_in_stream):
@@ -126,7 +130,8 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
                     "(parameters cast after install; install after the last cast to serve the group)"
                 )
                 return stock_all_gather(*args, **kwargs)
-            event = group.all_gather(AllGatherCall(shards, copy_in_stream, arguments["all_gather_stream"]))
+            call = AllGatherCall(shards, copy_in_stream, arguments["all_gather_stream"], arguments["group"])
+            event = group.all_gather(call)
         return all_gather_result(internals, shards, event, arguments["device"])
 
     out["foreach_all_gather"] = foreach_all_gather

@@ -65,7 +65,18 @@ class ServedGroup:
     """One FSDP2 parameter group (``param_group``) served by TIDE over ``transport``. FSDP2's calls
     reach it as typed requests (``calls``) from ``dispatch``, whatever the torch version."""
 
-    def __init__(self, config: TIDEConfig, index: int, name: str, param_group, transport, ring: SlotRing | None):
+    def __init__(
+        self,
+        config: TIDEConfig,
+        index: int,
+        name: str,
+        param_group,
+        transport,
+        ring: SlotRing | None,
+        post_forward_transport=None,
+    ):
+        """``post_forward_transport``: for ``reshard_after_forward=int``, the transport over the
+        post-forward process group, which backward's re-gather runs over (into the same landings)."""
         self.config = config
         self.index = index
         self.name = name
@@ -88,6 +99,11 @@ class ServedGroup:
             itemsize = self.ag_dtypes[0].itemsize
             self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=itemsize)
             self.reduce_layout = self.layout
+        self.post_forward_transport = post_forward_transport
+        self.post_forward_group = accessors.post_forward_process_group(param_group)
+        self.post_forward_layout = None
+        if post_forward_transport is not None:
+            self.post_forward_layout = self.layout.post_forward(post_forward_transport.topology.world_size)
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None
         self.slot: int | None = None  # ring slot index, or None for a dedicated segment
@@ -146,6 +162,10 @@ class ServedGroup:
             self.ring.occupant[self.slot] = None
             self.ring.release_event[self.slot] = self._device_handle.current_stream().record_event()
 
+    def is_post_forward(self, process_group) -> bool:
+        """Whether an all-gather over ``process_group`` is the re-gather from post-forward shards."""
+        return self.post_forward_group is not None and process_group is self.post_forward_group
+
     def planned_dtypes_differ(self, shards) -> bool:
         """FSDP2 all-gathers other dtypes than install planned (parameters cast after install)."""
         return [t.dtype for t in shards] != self.ag_dtypes
@@ -189,9 +209,9 @@ class ServedGroup:
     def all_gather(self, call: AllGatherCall):
         """Land every rank's shards in this group's landings; returns the event FSDP2 waits on."""
         with torch.profiler.record_function("TIDE::all_gather"):
-            return self._all_gather(call.shards, call.copy_in_stream, call.all_gather_stream)
+            return self._all_gather(call.shards, call.copy_in_stream, call.all_gather_stream, call.process_group)
 
-    def _all_gather(self, shards, copy_in_stream, ag_stream):
+    def _all_gather(self, shards, copy_in_stream, ag_stream, process_group):
         if self.landings is None:
             self._bind()
         if self.slot is not None:
@@ -214,13 +234,16 @@ class ServedGroup:
                 f"{self.ag_dtypes} (parameter dtypes changed after its first all-gather)"
             )
         ag_stream.wait_stream(copy_in_stream)
+        # After forward (reshard_after_forward=int) each rank holds 1/k of the padded parameters:
+        # the k ranks of the post-forward group gather them into the same landings.
+        transport, layout = self.transport, self.layout
+        if self.is_post_forward(process_group):
+            transport, layout = self.post_forward_transport, self.post_forward_layout
         wire_shards, outputs = shards, self.landings
         if self.mixed_dtypes:  # the transport moves bytes
             wire_shards = [t.view(torch.uint8) for t in shards]
             outputs = [t.view(torch.uint8) for t in self.landings]
-        outputs = [
-            t.view(self.world_size * self.layout.padded_rows(p), self.layout.cols[p]) for p, t in enumerate(outputs)
-        ]
+        outputs = [t.view(layout.world_size * layout.padded_rows(p), layout.cols[p]) for p, t in enumerate(outputs)]
         with dh.stream(ag_stream):
             if self.slot is not None and self.ring.release_event[self.slot] is not None:
                 ag_stream.wait_event(self.ring.release_event[self.slot])
@@ -228,13 +251,13 @@ class ServedGroup:
             # version counter around its own copy-out for the same reason.
             timing = self._timing_start(ag_stream)
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
-                work = self.transport.all_gather(self.layout, wire_shards, outputs)
+                work = transport.all_gather(layout, wire_shards, outputs)
                 if work is not None:
                     work.wait()
             self._timing_end("ag", timing, ag_stream)
             event = ag_stream.record_event()
         self.stats["all_gathers"] += 1
-        self.stats["ag_bytes"] += self.layout.total_shard_bytes * (self.world_size - 1)
+        self.stats["ag_bytes"] += layout.total_shard_bytes * (layout.world_size - 1)
         return event
 
     def _conflict_cause(self) -> str:

@@ -43,6 +43,9 @@ class GroupLayout:
     is all-gathered as bytes (itemsize 1, each row K_p * its item size wide), and aligning its o_p to
     16 bytes keeps every landing aligned for its own dtype (o_p*N + r*s_p, s_p a multiple of the
     item size).
+
+    ``shard_rows`` (None: ceil(D_p/N) each) gives R_p explicitly, for shards padded beyond
+    ceil(D_p/N): FSDP2's post-forward shards (``post_forward``).
     """
 
     rows: tuple[int, ...]
@@ -50,6 +53,7 @@ class GroupLayout:
     world_size: int
     itemsize: int = 2
     align: int = 1
+    shard_rows: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -66,6 +70,16 @@ class GroupLayout:
         if not isinstance(self.align, int) or self.align < 1:
             raise PlanError(f"align={self.align!r} must be an integer >= 1")
         padded = tuple(-(-d // self.world_size) for d in self.rows)
+        if self.shard_rows is not None:
+            if len(self.shard_rows) != len(self.rows):
+                raise PlanError(f"shard_rows has {len(self.shard_rows)} entries for {len(self.rows)} parameters")
+            for p, (explicit, least) in enumerate(zip(self.shard_rows, padded)):
+                if not isinstance(explicit, int) or explicit < least:
+                    raise PlanError(
+                        f"shard_rows[{p}]={explicit!r}: {self.world_size} shards of it cannot hold "
+                        f"D_p={self.rows[p]} rows (at least {least} each)"
+                    )
+            padded = tuple(self.shard_rows)
         numels = tuple(r * k for r, k in zip(padded, self.cols))
         offsets = [0]
         for n in numels[:-1]:
@@ -105,7 +119,31 @@ class GroupLayout:
         )
 
     def with_itemsize(self, itemsize: int) -> GroupLayout:
-        return GroupLayout(self.rows, self.cols, self.world_size, itemsize, self.align)
+        return GroupLayout(self.rows, self.cols, self.world_size, itemsize, self.align, self.shard_rows)
+
+    def post_forward(self, size: int) -> GroupLayout:
+        """The layout of FSDP2's post-forward all-gather (``reshard_after_forward=size``): after
+        forward each rank keeps 1/size of every padded unsharded parameter, so the same N*R_p rows
+        are split over ``size`` ranks, (N/size)*R_p rows each (not ceil(D_p/size): FSDP2 cuts the
+        padded all-gather output). Post-forward rank j's shard is this layout's shards j*m .. j*m+m-1
+        (m = N/size); o_p and the alignment scale by m, so every landing is one of this layout's
+        and the group buffer is the same: both all-gathers land in the same bytes."""
+        N = self.world_size
+        if not isinstance(size, int) or size < 1 or N % size:
+            raise PlanError(f"post-forward size={size!r} must divide world_size={N}")
+        m = N // size
+        post = GroupLayout(
+            self.rows, self.cols, size, self.itemsize, self.align * m, tuple(m * r for r in self._padded)
+        )
+        moved = [
+            (p, j)
+            for p in range(self.num_params)
+            for j in range(size)
+            if post.landing(p, j) != self.landing(p, j * m) or post.shard_bytes(p) != m * self.shard_bytes(p)
+        ]
+        if moved or post.group_bytes != self.group_bytes:
+            raise PlanError(f"post-forward layout over {size} ranks lands elsewhere than {self}: (p, rank) {moved}")
+        return post
 
     # -- per parameter ---------------------------------------------------------------------
     @property
@@ -118,7 +156,7 @@ class GroupLayout:
         return p
 
     def padded_rows(self, p: int) -> int:
-        """R_p = ceil(D_p / N)."""
+        """R_p = ceil(D_p / N) (or ``shard_rows[p]``)."""
         return self._padded[self._check(p)]
 
     def shard_numel(self, p: int) -> int:
@@ -174,7 +212,7 @@ class GroupLayout:
 
     def signature(self) -> tuple:
         """Hashable identity used to cache plans and to compare ranks."""
-        return (self.rows, self.cols, self.world_size, self.itemsize, self.align)
+        return (self.rows, self.cols, self.world_size, self.itemsize, self.align, self.shard_rows)
 
     def param_at_element(self, e: int) -> int:
         """Parameter whose packed shard range holds element e (binary search)."""

@@ -30,7 +30,8 @@ def _tide_row_difference(table: str) -> float:
     """The largest step-by-step loss difference from stock in the comparison table's TIDE row."""
     for line in table.splitlines():
         words = line.split()
-        if words and words[0].lower() == "tide" and len(words) >= 4:
+        # The row is "tide STEPS FINAL_LOSS DIFFERENCE ..." (the install report's lines start with TIDE too).
+        if len(words) >= 4 and words[0].lower() == "tide" and words[1].isdigit():
             return float(words[3])
     raise AssertionError(f"no TIDE row in:\n{table}")
 

@@ -270,8 +270,12 @@ def main(argv=None) -> int:
                 print(f"ce: needs at least 2 CUDA GPUs ({gpus} visible); skipped", file=sys.stderr)
             else:
                 launch(_copy_engine_worker, args)
-        elif command == "train" and (gpus >= 2 or all(m.startswith("tiny") for m in args.models)):
-            run_train(args)  # tiny models also run on 2 CPU processes (a smoke test of the harness)
+        elif command == "train" and (
+            gpus >= 2 or (gpus and (args.ranks or 0) >= 2) or all(m.startswith("tiny") for m in args.models)
+        ):
+            # tiny models also run on 2 CPU processes (a smoke test of the harness); --ranks N on fewer
+            # GPUs shares them (memory figures, no speed-up figure)
+            run_train(args)
         elif gpus < 2:
             print(f"{command}: needs at least 2 CUDA GPUs ({gpus} visible); skipped", file=sys.stderr)
         else:

@@ -424,3 +424,31 @@ def test_profiler_traces_show_tides_phases():
         assert counts.get("TIDE::install") == 1, counts
         assert counts.get("TIDE::all_gather", 0) >= served > 0, counts
         assert counts.get("TIDE::reduce_scatter") == served, counts
+
+
+def _one_transport_per_rank_set(rank, world_size):
+    """Every block sharded over its own process group of the same ranks (what FSDP2's default mesh
+    over gloo with CUDA tensors and its post-forward groups build): one transport, one ring."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tide_core
+
+    torch.manual_seed(0)
+    model = TinyLM(layers=4)
+    for block in model.blocks:
+        fully_shard(block, mesh=DeviceMesh.from_group(dist.new_group(list(range(world_size))), "cpu"))
+    fully_shard(model)
+    stock = build()
+    handle = tide_core.install(model, transport="reference")
+    losses, stock_losses = train(model, rank), train(stock, rank)
+    rings = list(handle.rings.values())
+    return len(handle.transports), len(rings), len(rings[0].members), len(handle.served_groups), losses == stock_losses
+
+
+def test_groups_over_distinct_process_groups_of_the_same_ranks_share_one_transport():
+    transports, rings, ring_members, served, same_losses = run_distributed(_one_transport_per_rank_set, 2, timeout=120)[
+        0
+    ]
+    assert (transports, rings, ring_members, served) == (1, 1, 4, 5)
+    assert same_losses

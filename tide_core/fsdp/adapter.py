@@ -350,12 +350,15 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     for entry, (param_group, topo, post_forward_topo, ring_ok) in zip(entries, plans):
         if entry.install_reason is not None:
             continue
-        # One transport per (process group, topology); a group that reshards to a smaller group
-        # after forward (reshard_after_forward=int) also gets one over that group.
+        # One transport per (ranks, topology); a group that reshards to a smaller group after
+        # forward (reshard_after_forward=int) also gets one over that group. Keyed by the ranks, not
+        # the process group object: FSDP2 may build a new group of the same ranks per fully_shard
+        # call (its default mesh over gloo, every post-forward group), and a transport per group
+        # would give each block its own arena, ring and staging.
         wanted = [(accessors.shard_process_group(param_group), topo)]
         if post_forward_topo is not None:
             wanted.append((accessors.post_forward_process_group(param_group), post_forward_topo))
-        keys = [(id(process_group), t) for process_group, t in wanted]
+        keys = [(tuple(dist.get_process_group_ranks(process_group)), t) for process_group, t in wanted]
         try:
             for key, (process_group, t) in zip(keys, wanted):
                 if key not in transports:

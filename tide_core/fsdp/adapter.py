@@ -25,7 +25,7 @@ import torch.nn as nn
 from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
 from tide_core.fsdp import accessors, dispatch
-from tide_core.fsdp.group import ServedGroup, SlotRing
+from tide_core.fsdp.group import ReorderBuffer, ServedGroup, SlotRing
 from tide_core.fsdp.landing import mark_served, unmark_served
 from tide_core.fsdp.profiles import probe
 from tide_core.plan import Topology, backward_live_bytes
@@ -54,6 +54,7 @@ class GroupEntry:
     served: ServedGroup | None
     install_reason: str | None  # why install left the group on stock collectives
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
+    shard_dims_note: str | None = None  # parameters sharded on a dim other than 0, e.g. "Shard(1): 3 params"
 
     @property
     def active(self) -> bool:
@@ -152,6 +153,8 @@ class TIDEHandle:
                     status += "; all-gather only (no trainable parameter, nothing to reduce)"
             else:
                 status = f"stock: {e.reason}"
+            if e.shard_dims_note:
+                status += f"; {e.shard_dims_note}"
             lines.append(
                 f"  {e.index:>3} {e.name:<{name_width}} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
                 f"{e.dtype:<{dtype_width}} {status}"
@@ -294,6 +297,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                 None,
                 reason,
                 trainable=bool(accessors.trainable_params(param_group)),
+                shard_dims_note=accessors.shard_dims_note(param_group),
             )
         )
         plans.append((param_group, topo, config.ring and _ring_eligible(param_group, module, fsdp_modules)))
@@ -316,6 +320,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     rings: dict = {}
     handle = TIDEHandle(model, config, internals, entries, transports, rings)
     ring_members: dict = {}
+    reorder_members: dict = {}
     for entry, (param_group, topo, ring_ok) in zip(entries, plans):
         if entry.install_reason is not None:
             continue
@@ -349,6 +354,8 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
+        if group.reorder is not None:
+            reorder_members.setdefault(key, []).append(group)
         mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)
         entry.served = group
     for key, members in ring_members.items():
@@ -358,6 +365,11 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         )
         for g in members:
             g.ring = rings[key]
+    for key, members in reorder_members.items():
+        # One reorder buffer per transport, for its largest group (see ReorderBuffer).
+        shared = ReorderBuffer(transports[key], max(g.layout.reorder_bytes for g in members))
+        for g in members:
+            g.reorder = shared
 
     if internals is not None:
         dispatch.patch(internals, id(handle))

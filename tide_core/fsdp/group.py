@@ -116,7 +116,7 @@ class ServedGroup:
                 shapes, world_size=self.world_size, itemsize=itemsize, shard_dims=dims
             )
             self.reduce_layout = self.layout
-        # install shares one buffer among the groups of a transport
+        # install shares one reorder buffer among the groups of a transport
         self.reorder = (
             ReorderBuffer(transport, self.layout.reorder_bytes, f"group{index}-reorder")
             if self.layout.reorder_bytes
@@ -387,9 +387,9 @@ class ServedGroup:
         )
         if slot_source:
             # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in
-            # (rank-major, for the ones sharded on dim k > 0) and
-            # drop autograd's storage at once (stream-ordered: later compute-stream allocations
-            # run after the copy); the slot's next all-gather waits for the read. Autograd may
+            # (rank-major where sharded on dim k > 0) and drop autograd's storage at once
+            # (stream-ordered: later compute-stream allocations run after the copy); the slot's
+            # next all-gather waits for the read. Autograd may
             # still hold the unsharded parameters built over the landing (a group's modules
             # backpropagated in several passes); like the all-gather, the copy keeps their
             # version counter, because FSDP2 re-gathers the group before they are read again.

@@ -17,8 +17,24 @@ class RMSNorm(nn.Module):
         return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight).to(x.dtype)
 
 
+class Experts(nn.Module):
+    """A dense mixture of ``experts`` feed-forward networks with grouped weights (E, in, out), as
+    mixture-of-experts layers keep them, weighted by a softmax gate."""
+
+    def __init__(self, dim: int, hidden: int, experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, dim, hidden) * dim**-0.5)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, dim) * hidden**-0.5)
+
+    def forward(self, x):
+        h = F.gelu(torch.einsum("btd,edh->bteh", x, self.w_in))
+        y = torch.einsum("bteh,ehd->bted", h, self.w_out)
+        return (y * self.gate(x).softmax(-1).unsqueeze(-1)).sum(-2)
+
+
 class Block(nn.Module):
-    def __init__(self, dim: int, hidden: int, heads: int):
+    def __init__(self, dim: int, hidden: int, heads: int, experts: int = 0):
         super().__init__()
         self.heads = heads
         self.attn_norm = RMSNorm(dim)
@@ -27,6 +43,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(dim)
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.experts = Experts(dim, hidden, experts) if experts else None
 
     def forward(self, x):
         B, T, D = x.shape
@@ -34,16 +51,26 @@ class Block(nn.Module):
         q, k, v = (t.view(B, T, self.heads, D // self.heads).transpose(1, 2) for t in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, D)
         x = x + self.wo(a)
-        return x + self.w2(F.gelu(self.w1(self.ffn_norm(x))))
+        h = self.ffn_norm(x)
+        if self.experts is not None:
+            x = x + self.experts(h)
+        return x + self.w2(F.gelu(self.w1(h)))
 
 
 class TinyLM(nn.Module):
     def __init__(
-        self, vocab: int = 37, dim: int = 30, hidden: int = 53, heads: int = 3, layers: int = 4, tie: bool = False
+        self,
+        vocab: int = 37,
+        dim: int = 30,
+        hidden: int = 53,
+        heads: int = 3,
+        layers: int = 4,
+        tie: bool = False,
+        experts: int = 0,
     ):
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
-        self.blocks = nn.ModuleList(Block(dim, hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(dim, hidden, heads, experts) for _ in range(layers))
         self.norm = RMSNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         if tie:

@@ -124,3 +124,58 @@ def test_post_forward_layout_pads_like_fsdp2():
         full.post_forward(3)
     with pytest.raises(PlanError, match="cannot hold"):
         GroupLayout((5,), (3,), world_size=2, shard_rows=(2,))
+
+
+def test_shard_dim_k_rows_cols_and_reorder_buffer():
+    """A parameter sharded on dim k > 0 is (N*outer, n_k/N*inner); dim-0 ones are unchanged."""
+    lay = GroupLayout.from_shapes(
+        [(5, 8), (3, 8, 6), (7, 3), (3, 4, 6)], world_size=2, itemsize=4, shard_dims=[1, 1, 0, 2]
+    )
+    assert lay.rows == (10, 6, 7, 2 * 12) and lay.cols == (4, 24, 3, 3)
+    assert [lay.padded_rows(p) for p in range(4)] == [5, 3, 4, 12]
+    assert [lay.needs_reorder(p) for p in range(4)] == [True, True, False, True]
+    assert lay.reorder_shape(1) == (2, 3, 24)
+    # Rank-major outputs back to back in the reorder buffer, each 16-byte aligned: 160, 576, 288 bytes.
+    assert [lay.reorder_offset(p) for p in (0, 1, 3)] == [0, 160, 736] and lay.reorder_bytes == 1024
+    with pytest.raises(PlanError, match="dim 0: it lands in place"):
+        lay.reorder_offset(2)
+    plain = GroupLayout.from_shapes([(5, 8)], world_size=2)
+    assert plain.reorder_bytes == 0 and plain.shard_dims == (0,) and plain == GroupLayout((5,), (8,), 2)
+    assert lay.signature() != GroupLayout(lay.rows, lay.cols, 2, 4).signature()
+    mixed = GroupLayout.bytes_of([(5, 8), (7,)], [2, 4], world_size=2, shard_dims=[1, 0])
+    assert mixed.rows == (10, 7) and mixed.cols == (4 * 2, 4) and mixed.reorder_bytes == 80
+    assert mixed.with_itemsize(1).shard_dims == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "shape, dim, fragment",
+    [((4, 3), 1, r"dim 1 \(3\) does not split evenly over 2 ranks"), ((4, 4), 2, "no dim 2"), ((4,), 1, "no dim 1")],
+)
+def test_shard_dim_k_needs_an_even_split(shape, dim, fragment):
+    with pytest.raises(PlanError, match=fragment):
+        GroupLayout.from_shapes([shape], world_size=2, shard_dims=[dim])
+    with pytest.raises(PlanError, match="N\\*outer rows"):
+        GroupLayout((5,), (2,), 2, shard_dims=(1,))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_shard_dim_k_transport_view_is_fsdp2s_chunks(seed):
+    """Rank r's shard of a Shard(k) parameter (FSDP2: the contiguous ``chunk(N, dim=k)[r]``) is
+    rows [r*R_p, (r+1)*R_p) of the (N*R_p, K_p) transport view, and that view, split (N, R_p, K_p)
+    and with dims 0 and 1 swapped, is the parameter."""
+    import torch
+
+    rng = random.Random(seed)
+    N = rng.choice([2, 3, 4])
+    ndim = rng.randint(2, 4)
+    k = rng.randint(1, ndim - 1)
+    shape = [rng.randint(1, 4) for _ in range(ndim)]
+    shape[k] *= N
+    lay = GroupLayout.from_shapes([shape], world_size=N, itemsize=4, shard_dims=[k])
+    param = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+    gathered = torch.cat([c.reshape(-1) for c in param.chunk(N, dim=k)]).view(lay.rows[0], lay.cols[0])
+    n, R, K = lay.reorder_shape(0)
+    assert lay.shard_numel(0) * N == param.numel() and lay.valid_rows(0, N - 1) == R
+    assert torch.equal(gathered.view(n, R, K).transpose(0, 1).reshape(shape), param)
+    # the reduce-scatter's direction: the gradient's rank chunks one after another
+    assert torch.equal(param.reshape(R, n, K).transpose(0, 1).reshape(-1, K), gathered)

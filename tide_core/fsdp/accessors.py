@@ -151,6 +151,20 @@ def param_shapes(fsdp_params) -> list[tuple[int, ...]]:
     return [tuple(fp._orig_size) for fp in fsdp_params]
 
 
+def shard_dims(fsdp_params) -> list[int]:
+    """The dim FSDP2 shards each parameter on (``shard_placement_fn``; 0 without one)."""
+    return [fp.fsdp_placement.dim for fp in fsdp_params]
+
+
+def shard_dims_note(param_group) -> str | None:
+    """For the install report: how many parameters are sharded on each dim other than 0, e.g.
+    "Shard(1): 3 params" (None: all on dim 0)."""
+    dims = [k for k in shard_dims(param_group.fsdp_params) if k != 0]
+    if not dims:
+        return None
+    return ", ".join(f"Shard({k}): {dims.count(k)} param{'s' if dims.count(k) > 1 else ''}" for k in sorted(set(dims)))
+
+
 def padded_shard_numels(param_group) -> list[int]:
     return [fp.padded_sharded_param_size.numel() for fp in param_group.fsdp_params]
 
@@ -171,8 +185,6 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
         if missing:
             return f"unknown torch internal: FSDPParam lacks {missing}"
         name = names.get(id(fp.sharded_param), "?")
-        if fp.fsdp_placement.dim != 0:
-            return f"parameter {name} is sharded on dim {fp.fsdp_placement.dim} (TIDE needs dim 0)"
         if math.prod(fp._orig_size) == 0:
             return f"parameter {name} has no elements"
         if fp.offload_to_cpu:

@@ -25,7 +25,7 @@ import torch.nn as nn
 from tide_core.config import TIDEConfig
 from tide_core.errors import TIDEError
 from tide_core.fsdp import accessors, dispatch
-from tide_core.fsdp.group import ServedGroup, SlotRing
+from tide_core.fsdp.group import ReorderBuffer, ServedGroup, SlotRing
 from tide_core.fsdp.landing import mark_served, unmark_served
 from tide_core.fsdp.profiles import probe
 from tide_core.plan import Topology, backward_live_bytes
@@ -54,6 +54,7 @@ class GroupEntry:
     served: ServedGroup | None
     install_reason: str | None  # why install left the group on stock collectives
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
+    shard_dims_note: str | None = None  # parameters sharded on a dim other than 0, e.g. "Shard(1): 3 params"
 
     @property
     def active(self) -> bool:
@@ -155,6 +156,8 @@ class TIDEHandle:
                     status += "; all-gather only (no trainable parameter, nothing to reduce)"
             else:
                 status = f"stock: {e.reason}"
+            if e.shard_dims_note:
+                status += f"; {e.shard_dims_note}"
             lines.append(
                 f"  {e.index:>3} {e.name:<{name_width}} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
                 f"{e.dtype:<{dtype_width}} {status}"
@@ -242,6 +245,8 @@ def _post_forward_topology(param_group, topo: Topology, config: TIDEConfig) -> t
             "symmetric arena, and a transport over the post-forward group has an arena of its own "
             "(transport='reference' serves it)"
         )
+    if any(dim for dim in accessors.shard_dims(accessors.fsdp_params(param_group))):
+        return None, f"reshard_after_forward={k} with parameters sharded on a dim other than 0"
     shard_ranks = dist.get_process_group_ranks(accessors.shard_process_group(param_group))
     ranks = dist.get_process_group_ranks(group)
     first = shard_ranks.index(ranks[0]) if ranks[0] in shard_ranks else -1
@@ -324,6 +329,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                 None,
                 reason,
                 trainable=bool(accessors.trainable_params(param_group)),
+                shard_dims_note=accessors.shard_dims_note(param_group),
             )
         )
         ring_ok = config.ring and _ring_eligible(param_group, module, fsdp_modules)
@@ -347,6 +353,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     rings: dict = {}
     handle = TIDEHandle(model, config, internals, entries, transports, rings)
     ring_members: dict = {}
+    reorder_members: dict = {}
     for entry, (param_group, topo, post_forward_topo, ring_ok) in zip(entries, plans):
         if entry.install_reason is not None:
             continue
@@ -390,6 +397,8 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None, post_forward_transport)
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
+        if group.reorder is not None:
+            reorder_members.setdefault(key, []).append(group)
         mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)
         entry.served = group
     for key, members in ring_members.items():
@@ -399,6 +408,11 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         )
         for g in members:
             g.ring = rings[key]
+    for key, members in reorder_members.items():
+        # One reorder buffer per transport, for its largest group (see ReorderBuffer).
+        shared = ReorderBuffer(transports[key], max(g.layout.reorder_bytes for g in members))
+        for g in members:
+            g.reorder = shared
 
     if internals is not None:
         dispatch.patch(internals, id(handle))

@@ -154,11 +154,7 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
         arguments = bind_reduce(args, kwargs)
         fsdp_params = arguments["fsdp_params"]
         group = served_group(fsdp_params)
-        if (
-            group is None
-            or arguments["reduce_scatter_group"] is None
-            or any(fp.fsdp_placement.dim != 0 for fp in fsdp_params)
-        ):
+        if group is None or arguments["reduce_scatter_group"] is None:
             return stock_reduce(*args, **kwargs)
         call = reduce_call(internals, arguments)
         with torch.no_grad():

@@ -9,6 +9,11 @@ the next group), never a ``resize_``.
 Reduce-scatter: the gradients autograd produced go straight to the transport, which writes the
 fp32 packed shard FSDP2 expects (no ``_chunk_cat``, no full-group fp32 buffer); FSDP2's divide
 factors become alpha; an existing packed sharded gradient is accumulated into in place.
+
+Parameters sharded on a dim other than 0 (``Shard(k)``) cost one copy each way, as in stock FSDP2:
+the transport lands them rank-major in a reorder buffer, copied into the landing as the parameter
+(stock's ``torch.cat`` of the chunks along dim k); their gradients are copied rank-major before
+the reduce-scatter (stock's ``torch.chunk`` and ``torch.cat``), then reduce like any other.
 """
 
 from __future__ import annotations
@@ -53,6 +58,25 @@ class SlotRing:
         return self.segments[q]
 
 
+@dataclass
+class ReorderBuffer:
+    """Where the transport lands the parameters sharded on a dim other than 0 (rank-major) until
+    the reorder copy puts them into their landings. In the transport's arena (its peers write
+    there); shared by the groups of one transport, sized for the largest: their all-gathers run one
+    after another, and the next waits for the last reorder copy out of it."""
+
+    transport: object
+    nbytes: int
+    name: str = "reorder"
+    allocated: Segment | None = None
+    release_event: object | None = None
+
+    def segment(self) -> Segment:
+        if self.allocated is None:
+            self.allocated = self.transport.arena.segment(self.name, self.nbytes)
+        return self.allocated
+
+
 class _ReadHold:
     """What FSDP2 keeps as the reduce-scatter "input" until the compute stream waited for the
     reduce-scatter: here, the per-parameter gradients (or slot views) the transport reads."""
@@ -88,22 +112,33 @@ class ServedGroup:
         self.world_size = transport.topology.world_size
         self.ag_dtypes = accessors.all_gather_dtypes(param_group)
         shapes = accessors.param_shapes(self.fsdp_params)
+        dims = accessors.shard_dims(self.fsdp_params)
         # One dtype: the layout in its elements. Several (frozen bf16 weights beside fp32 adapters):
         # the all-gather moves bytes, every landing aligned for its own dtype; the reduce-scatter
         # keeps FSDP2's packed fp32 element layout.
         self.mixed_dtypes = len(set(self.ag_dtypes)) > 1
         if self.mixed_dtypes:
-            self.layout = GroupLayout.bytes_of(shapes, [d.itemsize for d in self.ag_dtypes], self.world_size)
-            self.reduce_layout = GroupLayout.from_shapes(shapes, world_size=self.world_size)
+            itemsizes = [d.itemsize for d in self.ag_dtypes]
+            self.layout = GroupLayout.bytes_of(shapes, itemsizes, self.world_size, shard_dims=dims)
+            self.reduce_layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, shard_dims=dims)
         else:
             itemsize = self.ag_dtypes[0].itemsize
-            self.layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, itemsize=itemsize)
+            self.layout = GroupLayout.from_shapes(
+                shapes, world_size=self.world_size, itemsize=itemsize, shard_dims=dims
+            )
             self.reduce_layout = self.layout
         self.post_forward_transport = post_forward_transport
         self.post_forward_group = accessors.post_forward_process_group(param_group)
         self.post_forward_layout = None
         if post_forward_transport is not None:
             self.post_forward_layout = self.layout.post_forward(post_forward_transport.topology.world_size)
+        # install shares one reorder buffer among the groups of a transport
+        self.reorder = (
+            ReorderBuffer(transport, self.layout.reorder_bytes, f"group{index}-reorder")
+            if self.layout.reorder_bytes
+            else None
+        )
+        self.reorder_outputs: dict[int, torch.Tensor] = {}  # p -> its rank-major all-gather output
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None
         self.slot: int | None = None  # ring slot index, or None for a dedicated segment
@@ -152,6 +187,22 @@ class ServedGroup:
             for p, dtype in enumerate(self.ag_dtypes)
         ]
         root_landings(self.fsdp_params, self.landings, self._released)
+        if self.reorder is not None:
+            segment, wire = self.reorder.segment(), self._wire_dtype
+            self.reorder_outputs = {
+                p: segment.tensor(
+                    self.layout.reorder_offset(p),
+                    self.layout.unsharded_numel(p) * self.layout.itemsize // wire.itemsize,
+                    wire,
+                ).view(N * self.layout.padded_rows(p), self.layout.cols[p])
+                for p in range(self.layout.num_params)
+                if self.layout.needs_reorder(p)
+            }
+
+    @property
+    def _wire_dtype(self) -> torch.dtype:
+        """The dtype the transport moves: bytes when the group's dtypes differ."""
+        return torch.uint8 if self.mixed_dtypes else self.ag_dtypes[0]
 
     def _released(self) -> None:
         """FSDPParam.free_unsharded_param for served parameters: a logical free of the slot."""
@@ -204,6 +255,7 @@ class ServedGroup:
         release_landings(self.fsdp_params, rooted=self.landings is not None)
         unmark_served(self.param_group)
         self.landings = None
+        self.reorder_outputs = {}
 
     # -- all-gather ------------------------------------------------------------------------
     def all_gather(self, call: AllGatherCall):
@@ -244,18 +296,27 @@ class ServedGroup:
             wire_shards = [t.view(torch.uint8) for t in shards]
             outputs = [t.view(torch.uint8) for t in self.landings]
         outputs = [t.view(layout.world_size * layout.padded_rows(p), layout.cols[p]) for p, t in enumerate(outputs)]
+        # Parameters sharded on a dim other than 0 land rank-major in the reorder buffer.
+        landed = [self.reorder_outputs.get(p, t) for p, t in enumerate(outputs)]
         with dh.stream(ag_stream):
             if self.slot is not None and self.ring.release_event[self.slot] is not None:
                 ag_stream.wait_event(self.ring.release_event[self.slot])
+            if self.reorder_outputs and self.reorder.release_event is not None:
+                ag_stream.wait_event(self.reorder.release_event)
             # The transport writes into storages autograd may have saved; FSDP2 preserves the
             # version counter around its own copy-out for the same reason.
             timing = self._timing_start(ag_stream)
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
-                work = transport.all_gather(layout, wire_shards, outputs)
+                work = transport.all_gather(layout, wire_shards, landed)
                 if work is not None:
                     work.wait()
+                for p, rank_major in self.reorder_outputs.items():
+                    N, R, K = self.layout.reorder_shape(p)
+                    outputs[p].view(R, N, K).copy_(rank_major.view(N, R, K).transpose(0, 1))
             self._timing_end("ag", timing, ag_stream)
             event = ag_stream.record_event()
+            if self.reorder_outputs:
+                self.reorder.release_event = event
         self.stats["all_gathers"] += 1
         self.stats["ag_bytes"] += layout.total_shard_bytes * (layout.world_size - 1)
         return event
@@ -328,11 +389,18 @@ class ServedGroup:
         if fsdp_params == self.fsdp_params:
             layout = self.reduce_layout
         else:  # parameters without gradients this step are skipped (2.15: or reordered by dtype), as FSDP2 does
-            layout = GroupLayout.from_shapes(accessors.param_shapes(fsdp_params), world_size=self.world_size)
+            shapes, dims = accessors.param_shapes(fsdp_params), accessors.shard_dims(fsdp_params)
+            layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, shard_dims=dims)
         output_dtype = torch.float32 if self.config.fp32_reduce else reduce_dtype
         current = dh.current_stream()
 
-        sources = grads
+        # The transport reduces rank-blocked rows: a gradient sharded on dim k > 0 goes as its N
+        # chunks along k one after another, (N, R_p, K_p) (a permuted view here, copied below).
+        rows = list(grads)
+        for p in range(layout.num_params):
+            if layout.needs_reorder(p):
+                N, R, K = layout.reorder_shape(p)
+                rows[p] = grads[p].reshape(R, N, K).transpose(0, 1)
         slot_source = (
             self.config.mode == "slot_reuse"
             and self.landings is not None
@@ -341,17 +409,21 @@ class ServedGroup:
             and grads[0].dtype == self.ag_dtypes[0]
         )
         if slot_source:
-            # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in and
-            # drop autograd's storage at once (stream-ordered: later compute-stream allocations
-            # run after the copy); the slot's next all-gather waits for the read. Autograd may
+            # Slot-Reuse: the vacated landing has the gradients' exact geometry. Copy them in
+            # (rank-major where sharded on dim k > 0) and drop autograd's storage at once
+            # (stream-ordered: later compute-stream allocations run after the copy); the slot's
+            # next all-gather waits for the read. Autograd may
             # still hold the unsharded parameters built over the landing (a group's modules
             # backpropagated in several passes); like the all-gather, the copy keeps their
             # version counter, because FSDP2 re-gathers the group before they are read again.
-            sources = [landing[: g.numel()].view(g.shape) for landing, g in zip(self.landings, grads)]
+            sources = [landing[: t.numel()].view(t.shape) for landing, t in zip(self.landings, rows)]
             with torch.autograd._unsafe_preserve_version_counter(tuple(self.landings)):
-                torch._foreach_copy_(sources, grads)
-            grads = autograd_grads = None
+                torch._foreach_copy_(sources, rows)
+            grads = autograd_grads = rows = None
             self.stats["slot_sources"] += 1
+        else:
+            sources = rows
+        sources = [t.reshape(-1, t.shape[-1]) if layout.needs_reorder(p) else t for p, t in enumerate(sources)]
         # Accumulating straight into the existing sharded gradient only matches FSDP2 when the fp32
         # sum is the final gradient: not under HSDP (the replica all-reduce, or the partial-reduce
         # buffer, comes first), with an all-reduce hook (it sees this step's sum), a post-divide, or a

@@ -4,6 +4,12 @@ Every byte offset the transports use comes from here. A parameter p of an FSDP2 
 as a (D_p, K_p) matrix sharded along dimension 0 over N ranks; each rank holds R_p = ceil(D_p/N)
 padded rows. Rank-major FSDP2 would put rank r's shard of p at r*S + o_p; TIDE lands it directly
 at the parameter-major offset o_p*N + r*s_p.
+
+A parameter FSDP2 shards on a dim k > 0 (``Shard(k)``, which FSDP2 requires to be even) of shape
+(outer, n_k, inner) with outer and inner the products of the dims before and after k: rank r holds
+the contiguous chunk (outer, n_k/N, inner), so the transport sees it as D_p = N*outer rows of
+K_p = (n_k/N)*inner, rank-blocked like any other. What the transport lands, (N, R_p, K_p), is the
+parameter (R_p, N, K_p) with its first two dims swapped: one reorder copy (``reorder_shape``).
 """
 
 from __future__ import annotations
@@ -14,9 +20,13 @@ from dataclasses import dataclass
 
 from tide_core.errors import PlanError
 
+#: Byte alignment of each parameter's place in a reorder buffer (any dtype's, and 16-byte vector loads).
+REORDER_ALIGN = 16
 
-def _as_2d(shape: Sequence[int] | int, index: int) -> tuple[int, int]:
-    """Reduce a parameter shape to (D, K): D = dim 0, K = product of the trailing dims."""
+
+def _as_2d(shape: Sequence[int] | int, index: int, shard_dim: int = 0, world_size: int = 1) -> tuple[int, int]:
+    """Reduce a parameter shape to (D, K): D = dim 0, K = product of the trailing dims. Sharded on
+    dim k > 0 over N ranks: D = N * (product of the dims before k), K = (product from dim k on) / N."""
     if isinstance(shape, int):
         shape = (shape,)
     try:
@@ -27,7 +37,24 @@ def _as_2d(shape: Sequence[int] | int, index: int) -> tuple[int, int]:
         raise PlanError(f"shapes[{index}]=() has no dimension 0 to shard; scalars are not 2-D reducible")
     if any(d <= 0 for d in dims):
         raise PlanError(f"shapes[{index}]={dims} has a non-positive dimension; every dimension must be >= 1")
-    return dims[0], math.prod(dims[1:])
+    if shard_dim == 0:
+        return dims[0], math.prod(dims[1:])
+    if not 0 < shard_dim < len(dims):
+        raise PlanError(f"shapes[{index}]={dims} has no dim {shard_dim} to shard on")
+    if dims[shard_dim] % world_size:
+        raise PlanError(
+            f"shapes[{index}]={dims}: dim {shard_dim} ({dims[shard_dim]}) does not split evenly over "
+            f"{world_size} ranks (FSDP2 shards a dim other than 0 only evenly)"
+        )
+    return world_size * math.prod(dims[:shard_dim]), math.prod(dims[shard_dim:]) // world_size
+
+
+def _shard_dims(shard_dims: Sequence[int] | None, count: int) -> tuple[int, ...]:
+    if shard_dims is None:
+        return (0,) * count
+    if len(shard_dims) != count:
+        raise PlanError(f"{len(shard_dims)} shard dims for {count} shapes")
+    return tuple(int(k) for k in shard_dims)
 
 
 @dataclass(frozen=True)
@@ -46,6 +73,8 @@ class GroupLayout:
 
     ``shard_rows`` (None: ceil(D_p/N) each) gives R_p explicitly, for shards padded beyond
     ceil(D_p/N): FSDP2's post-forward shards (``post_forward``).
+    ``shard_dims`` (empty: all 0) is the dim FSDP2 shards each parameter on; rows and cols of a
+    parameter sharded on k > 0 are already its (N*outer, n_k/N*inner) view (``from_shapes``).
     """
 
     rows: tuple[int, ...]
@@ -54,6 +83,7 @@ class GroupLayout:
     itemsize: int = 2
     align: int = 1
     shard_rows: tuple[int, ...] | None = None
+    shard_dims: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -69,6 +99,13 @@ class GroupLayout:
                 raise PlanError(f"parameter {p} has shape ({d}, {k}); both dimensions must be >= 1")
         if not isinstance(self.align, int) or self.align < 1:
             raise PlanError(f"align={self.align!r} must be an integer >= 1")
+        shard_dims = _shard_dims(self.shard_dims or None, len(self.rows))
+        for p, (k, d) in enumerate(zip(shard_dims, self.rows)):
+            if k < 0 or (k > 0 and d % self.world_size):
+                raise PlanError(
+                    f"parameter {p} sharded on dim {k} has {d} rows; a dim-k parameter has N*outer rows (k > 0)"
+                )
+        object.__setattr__(self, "shard_dims", shard_dims)
         padded = tuple(-(-d // self.world_size) for d in self.rows)
         if self.shard_rows is not None:
             if len(self.shard_rows) != len(self.rows):
@@ -88,38 +125,68 @@ class GroupLayout:
         object.__setattr__(self, "_padded", padded)
         object.__setattr__(self, "_numels", numels)
         object.__setattr__(self, "_elem_offsets", tuple(offsets))
+        reorder_offsets, end = [], 0
+        for p, k in enumerate(shard_dims):
+            reorder_offsets.append(end if k else None)
+            if k:
+                end = -(-(end + self.unsharded_numel(p) * self.itemsize) // REORDER_ALIGN) * REORDER_ALIGN
+        object.__setattr__(self, "_reorder_offsets", tuple(reorder_offsets))
+        object.__setattr__(self, "_reorder_bytes", end)
 
     @classmethod
-    def from_shapes(cls, shapes: Iterable[Sequence[int] | int], world_size: int, itemsize: int = 2) -> GroupLayout:
+    def from_shapes(
+        cls,
+        shapes: Iterable[Sequence[int] | int],
+        world_size: int,
+        itemsize: int = 2,
+        shard_dims: Sequence[int] | None = None,
+    ) -> GroupLayout:
         shapes = list(shapes)
-        dk = [_as_2d(s, i) for i, s in enumerate(shapes)]
+        dims = _shard_dims(shard_dims, len(shapes))
+        dk = [_as_2d(s, i, k, world_size) for i, (s, k) in enumerate(zip(shapes, dims))]
         return cls(
             rows=tuple(d for d, _ in dk),
             cols=tuple(k for _, k in dk),
             world_size=world_size,
             itemsize=itemsize,
+            shard_dims=dims,
         )
 
     @classmethod
     def bytes_of(
-        cls, shapes: Iterable[Sequence[int] | int], itemsizes: Sequence[int], world_size: int, align: int = 16
+        cls,
+        shapes: Iterable[Sequence[int] | int],
+        itemsizes: Sequence[int],
+        world_size: int,
+        align: int = 16,
+        shard_dims: Sequence[int] | None = None,
     ) -> GroupLayout:
         """The layout of parameters of different item sizes moved as bytes: row width K_p * itemsize_p,
         every o_p aligned to ``align`` bytes."""
         shapes = list(shapes)
         if len(itemsizes) != len(shapes):
             raise PlanError(f"{len(itemsizes)} item sizes for {len(shapes)} shapes")
-        dk = [_as_2d(s, i) for i, s in enumerate(shapes)]
+        dims = _shard_dims(shard_dims, len(shapes))
+        dk = [_as_2d(s, i, k, world_size) for i, (s, k) in enumerate(zip(shapes, dims))]
         return cls(
             rows=tuple(d for d, _ in dk),
             cols=tuple(k * size for (_, k), size in zip(dk, itemsizes)),
             world_size=world_size,
             itemsize=1,
             align=align,
+            shard_dims=dims,
         )
 
     def with_itemsize(self, itemsize: int) -> GroupLayout:
-        return GroupLayout(self.rows, self.cols, self.world_size, itemsize, self.align, self.shard_rows)
+        return GroupLayout(
+            self.rows,
+            self.cols,
+            self.world_size,
+            itemsize,
+            self.align,
+            shard_rows=self.shard_rows,
+            shard_dims=self.shard_dims,
+        )
 
     def post_forward(self, size: int) -> GroupLayout:
         """The layout of FSDP2's post-forward all-gather (``reshard_after_forward=size``): after
@@ -131,9 +198,13 @@ class GroupLayout:
         N = self.world_size
         if not isinstance(size, int) or size < 1 or N % size:
             raise PlanError(f"post-forward size={size!r} must divide world_size={N}")
+        if any(self.shard_dims):
+            # A dim-k parameter's rows are its (N*outer) view for N ranks, not rows FSDP2 splits
+            # again after forward.
+            raise PlanError("a post-forward layout needs every parameter sharded on dim 0")
         m = N // size
         post = GroupLayout(
-            self.rows, self.cols, size, self.itemsize, self.align * m, tuple(m * r for r in self._padded)
+            self.rows, self.cols, size, self.itemsize, self.align * m, shard_rows=tuple(m * r for r in self._padded)
         )
         moved = [
             (p, j)
@@ -189,6 +260,31 @@ class GroupLayout:
         """Elements of p's padded unsharded storage: N * R_p * K_p."""
         return self.world_size * self.shard_numel(p)
 
+    def needs_reorder(self, p: int) -> bool:
+        """p is sharded on a dim other than 0: what the transport lands is rank-major, not p."""
+        return self.shard_dims[self._check(p)] != 0
+
+    def reorder_shape(self, p: int) -> tuple[int, int, int]:
+        """(N, R_p, K_p): the transport's (N*R_p, K_p) output of p split by rank. For a parameter
+        sharded on dim k > 0 the parameter itself (contiguous) is this with dims 0 and 1 swapped,
+        (R_p, N, K_p) = (outer, n_k, inner) with n_k split into N chunks: the all-gather copies
+        output -> parameter through that swap, the reduce-scatter gradient -> rows the same way."""
+        return (self.world_size, self.padded_rows(p), self.cols[p])
+
+    def reorder_offset(self, p: int) -> int:
+        """Byte offset of p's rank-major all-gather output in the group's reorder buffer (only for
+        ``needs_reorder(p)``); each aligned to REORDER_ALIGN bytes."""
+        offset = self._reorder_offsets[self._check(p)]
+        if offset is None:
+            raise PlanError(f"parameter {p} is sharded on dim 0: it lands in place, not in the reorder buffer")
+        return offset
+
+    @property
+    def reorder_bytes(self) -> int:
+        """Bytes of the reorder buffer: every parameter sharded on a dim other than 0, unsharded
+        (0: none is)."""
+        return self._reorder_bytes
+
     def _check_rank(self, r: int) -> None:
         if not 0 <= r < self.world_size:
             raise PlanError(f"rank r={r} out of range [0, {self.world_size})")
@@ -212,7 +308,7 @@ class GroupLayout:
 
     def signature(self) -> tuple:
         """Hashable identity used to cache plans and to compare ranks."""
-        return (self.rows, self.cols, self.world_size, self.itemsize, self.align, self.shard_rows)
+        return (self.rows, self.cols, self.world_size, self.itemsize, self.align, self.shard_rows, self.shard_dims)
 
     def param_at_element(self, e: int) -> int:
         """Parameter whose packed shard range holds element e (binary search)."""

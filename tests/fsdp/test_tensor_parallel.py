@@ -14,6 +14,7 @@ scripts/test runs this file on the oldest supported torch as well as the newest.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.fsdp.models import LlamaLM
@@ -133,9 +134,33 @@ ON_8_RANKS = {
 }
 
 
+def _spmd_mesh_reasons() -> list[str | None] | None:
+    """Install's reasons for a layer under ``fully_shard(dp_mesh_dims=...)`` (torch 2.13+: its
+    weight a DTensor on the whole 2 x 2 mesh), or None on a torch without it."""
+    try:
+        from torch.distributed.fsdp import DataParallelMeshDims, fully_shard
+    except ImportError:
+        return None
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import tide_core
+
+    mesh, _ = _mesh((2, 2))
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 4, bias=False)
+    weight = distribute_tensor(layer.weight.detach(), mesh, [Replicate(), Shard(0)], src_data_rank=None)
+    layer.weight = torch.nn.Parameter(weight)
+    fully_shard(layer, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    handle = tide_core.install(layer, mode="in_place", transport="reference")
+    reasons = [e.reason for e in handle.entries]
+    tide_core.uninstall(layer)
+    return reasons
+
+
 def _install_checks(rank: int, world_size: int) -> dict:
-    """On a 2 x 2 (dp, tp) mesh: each group's shard bytes on this rank; then install on a model
-    whose rank 0 holds a wider MLP, so shard bytes differ inside one shard group: the error."""
+    """On a 2 x 2 (dp, tp) mesh: each group's shard bytes on this rank; the reasons for an SPMD
+    mesh; then install on a model whose rank 0 holds a wider MLP, so shard bytes differ inside one
+    shard group: the error."""
     import tide_core
     from tide_core.errors import RankMismatchError
 
@@ -143,6 +168,7 @@ def _install_checks(rank: int, world_size: int) -> dict:
     handle = tide_core.install(model, mode="in_place", transport="reference")
     out = {"shard_bytes": [e.shard_bytes for e in handle.entries], "served": len(handle.served_groups)}
     tide_core.uninstall(model)
+    out["spmd_mesh"] = _spmd_mesh_reasons()
 
     try:  # rank 0's MLP weights are wider than its shard-group peer's
         tide_core.install(_llama((2, 2), hidden=HIDDEN + 4 * (rank == 0)), mode="in_place", transport="reference")
@@ -176,8 +202,20 @@ def test_3d_hsdp_mesh_every_group_served_with_stocks_results():
         assert_exact(result, name)
 
 
-def test_shard_bytes_agree_per_shard_group_not_world_wide():
-    results = run_distributed(_install_checks, 4, timeout=300)
+@pytest.fixture(scope="module")
+def install_checks():
+    return run_distributed(_install_checks, 4, timeout=300)
+
+
+def test_spmd_mesh_falls_back_naming_it(install_checks):
+    reasons = install_checks[0]["spmd_mesh"]
+    if reasons is None:
+        pytest.skip(f"torch {torch.__version__} has no fully_shard(dp_mesh_dims=...)")
+    assert reasons == ["fully_shard(dp_mesh_dims=...) (an SPMD mesh) is served by stock collectives"], reasons
+
+
+def test_shard_bytes_agree_per_shard_group_not_world_wide(install_checks):
+    results = install_checks
     # Ranks 0 and 1 are the two tensor-parallel halves of one dp rank; 0 and 2 one shard group.
     assert all(r["served"] == 3 for r in results), results
     assert results[0]["shard_bytes"] != results[1]["shard_bytes"], results

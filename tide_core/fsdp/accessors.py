@@ -164,6 +164,8 @@ def _tensor_parallel_setup(param_group) -> str | None:
 
 def setup_notes(param_group) -> list[str]:
     """What the install report says about how FSDP2 set a group up (one entry per aspect)."""
+    if not hasattr(param_group, "mesh_info"):  # an unknown FSDP2 (the report gives the reason)
+        return []
     notes = [_data_parallel_setup(param_group)]
     tensor_parallel = _tensor_parallel_setup(param_group)
     if tensor_parallel is not None:
@@ -207,6 +209,9 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
+    if getattr(param_group.mesh_info, "is_spmd_mesh", False):
+        # torch 2.13+: parameters are DTensors on the whole mesh, FSDP2 told its data-parallel dims.
+        return "fully_shard(dp_mesh_dims=...) (an SPMD mesh) is served by stock collectives"
     if param_group._use_post_forward_mesh:
         return "reshard_after_forward=int (post-forward mesh) is served by stock collectives"
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter

@@ -54,7 +54,7 @@ class GroupEntry:
     served: ServedGroup | None
     install_reason: str | None  # why install left the group on stock collectives
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
-    setup: str = ""  # how FSDP2 set the group up (``_setup``): the mesh dims it runs on, ...
+    setup: str = ""  # how FSDP2 set the group up (accessors.setup_notes): its mesh dims, ...
 
     @property
     def active(self) -> bool:

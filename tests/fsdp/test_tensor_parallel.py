@@ -123,7 +123,8 @@ SETUPS = {
         _train,
         {"mesh_shape": (2, 2, 2), "optimizer": "sgd", **BF16_POLICY},
     ),
-    # Shard groups of 4 ranks: FSDP2's tolerances, not bitwise (measured by hand, not in CI).
+    # Shard groups of 4 ranks: fp32 rounding apart, not bitwise; measured by running this file
+    # (python -m tests.fsdp.test_tensor_parallel), not in CI.
     "2-D (dp 4, tp 2), AdamW": (_train, {"mesh_shape": (4, 2), "optimizer": "adamw"}),
 }
 ON_4_RANKS = ["2-D (dp 2, tp 2), AdamW", "2-D (dp 2, tp 2), bf16 policy, SGD"]
@@ -226,3 +227,13 @@ def test_shard_bytes_agree_per_shard_group_not_world_wide(install_checks):
         message = r["mismatch"]
         assert message is not None, (rank, results)
         assert "rank 2 has group" in message and "shard bytes=" in message and "but rank 0 has" in message, message
+
+
+if __name__ == "__main__":
+    name = "2-D (dp 4, tp 2), AdamW"
+    result = merged(run_distributed(run_scenarios, 8, args=(SETUPS, [name]), timeout=1800))
+    for mode, r in result[name].items():
+        print(
+            f"{name} [{mode}]: served {r['served']}/{r['groups']}, max diff loss {r['loss']:.3g}, "
+            f"grad {r['grad']:.3g}, param {r['param']:.3g}"
+        )

@@ -1,4 +1,4 @@
-"""A small transformer with uneven shapes for adapter tests (4 blocks, dims not divisible by N)."""
+"""Small models for adapter tests, with uneven shapes (dims not divisible by the rank count)."""
 
 from __future__ import annotations
 
@@ -114,3 +114,59 @@ class SplitHeadLM(nn.Module):
     def forward(self, tokens, skip_head: bool = False):
         h = self.norm(self.body(self.embed(tokens)))
         return h if skip_head else self.head(h)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention with separate q/k/v/o projections; the head count comes
+    from the local q weight, so a tensor-parallel plan can split the heads."""
+
+    def __init__(self, dim: int, head_dim: int):
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        B, T, _ = x.shape
+        q, k, v = (proj(x).view(B, T, -1, self.head_dim).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        return self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, hidden, bias=False)
+        self.up = nn.Linear(dim, hidden, bias=False)
+        self.down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int, head_dim: int):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim)
+        self.attention = Attention(dim, head_dim)
+        self.ffn_norm = RMSNorm(dim)
+        self.mlp = SwiGLU(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.mlp(self.ffn_norm(x))
+
+
+class LlamaLM(nn.Module):
+    """A Llama-style model: embedding, ``layers`` blocks, final norm and output head (not tied)."""
+
+    def __init__(self, vocab: int, dim: int, hidden: int, head_dim: int, layers: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(LlamaBlock(dim, hidden, head_dim) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(self.norm(x))

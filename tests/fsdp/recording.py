@@ -82,6 +82,7 @@ class Recorder:
             out["served"] = len(self.handle.served_groups)
             out["reasons"] = {e.name: e.reason for e in self.handle.fallback_groups}
             out["stats"] = self.handle.stats()
+            out["report"] = self.handle.report()
             tide_core.uninstall(self.model)
         return out
 
@@ -118,18 +119,23 @@ def compare(stock: dict, run: dict) -> dict:
         "reasons": run["reasons"],
         "slot_sources": run["stats"]["slot_sources"],
         "reduce_scatters": run["stats"]["reduce_scatters"],
+        "report": run["report"],
     }
 
 
-def run_scenarios(rank: int, world_size: int, scenarios: dict, names: list[str], on_gpu: bool = False) -> dict:
-    """``scenarios``: name -> (scenario, kwargs); runs ``names`` of them, stock first."""
+def run_scenarios(
+    rank: int, world_size: int, scenarios: dict, names: list[str], on_gpu: bool = False, modes: dict | None = None
+) -> dict:
+    """``scenarios``: name -> (scenario, kwargs); runs ``names`` of them, stock first, then TIDE in
+    each mode (``modes``: name -> the modes of that scenario, where fewer keep a large run short)."""
     if on_gpu:
         _where.update(device="cuda", transport="cuda")
     summary = {}
     for name in names:
         scenario, kwargs = scenarios[name]
         stock = scenario(None, rank, **kwargs)
-        summary[name] = {mode: compare(stock, scenario(mode, rank, **kwargs)) for mode in MODES}
+        name_modes = (modes or {}).get(name, MODES)
+        summary[name] = {mode: compare(stock, scenario(mode, rank, **kwargs)) for mode in name_modes}
     return summary
 
 

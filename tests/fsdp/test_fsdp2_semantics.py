@@ -360,40 +360,6 @@ def _unannotated_foreach_reduce_wrapper(mode, rank):
         _fsdp_param_group.foreach_reduce = original
 
 
-def _tensor_parallel_mlp(tp_mesh, dp_mesh, reshard=True):
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    torch.manual_seed(0)
-    # The output layer's 9 rows split 5 + 4 over tensor-parallel ranks, 3 + 3 and 2 + 2 over data-parallel
-    # ranks: shard bytes differ between tensor-parallel ranks.
-    model = nn.Sequential(nn.LayerNorm(6), MLP(6, 2), nn.Linear(6, 9))
-    parallelize_module(model[1], tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    parallelize_module(model[2], tp_mesh, ColwiseParallel(output_layouts=Replicate()))
-    for module in model[1:]:
-        fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=reshard)
-    return model
-
-
-def _tensor_parallel(mode, rank, *, mesh_shape: tuple, names: tuple):
-    """TP x FSDP (2-D) or HSDP x TP (3-D): tensor-parallel groups fall back, the others are served."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
-    dp_mesh = mesh[names[:-1]] if len(names) > 2 else mesh[names[0]]
-    model = _tensor_parallel_mlp(mesh["tp"], dp_mesh)
-    rec = Recorder(model, mode)
-    opt = adam(model)
-    gen = torch.Generator().manual_seed(100 + rank // mesh_shape[-1])  # same input on a TP group
-    for step in range(3):
-        loss = model(torch.randn(4, 6, generator=gen)).square().mean()
-        rec.backward(loss)
-        rec.step(opt, step % 2 == 0)
-    return rec.finish()
-
-
 SCENARIOS = {
     "hsdp set_requires_all_reduce(False)": (_hsdp_microbatches, {"flag": "set_requires_all_reduce"}),
     "hsdp set_requires_gradient_sync(False)": (_hsdp_microbatches, {"flag": "set_requires_gradient_sync"}),
@@ -435,8 +401,6 @@ SCENARIOS = {
     "parameters unused on some steps": (_unused_parameters, {}),
     "zero-size parameter": (_zero_size_parameter, {}),
     "foreach_reduce wrapped without annotation": (_unannotated_foreach_reduce_wrapper, {}),
-    "TP x FSDP (2-D)": (_tensor_parallel, {"mesh_shape": (2, 2), "names": ("dp", "tp")}),
-    "HSDP x TP (3-D)": (_tensor_parallel, {"mesh_shape": (2, 2, 2), "names": ("replicate", "shard", "tp")}),
 }
 
 ON_2_RANKS = [
@@ -467,8 +431,7 @@ ON_2_RANKS = [
     "zero-size parameter",
     "foreach_reduce wrapped without annotation",
 ]
-ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)", "TP x FSDP (2-D)"]
-ON_8_RANKS = ["HSDP x TP (3-D)"]
+ON_4_RANKS = ["hsdp set_requires_all_reduce(False)", "hsdp set_requires_gradient_sync(False)"]
 
 
 @pytest.fixture(scope="module")
@@ -590,19 +553,6 @@ def test_zero_size_parameter_falls_back_naming_it(two_ranks):
 
 def test_foreach_reduce_wrapper_without_annotation(two_ranks):
     assert_exact(two_ranks, "foreach_reduce wrapped without annotation", served=5)
-
-
-def test_tensor_parallel_groups_fall_back_on_a_2d_mesh(four_ranks):
-    assert_exact(four_ranks, "TP x FSDP (2-D)", served=1)  # the root (LayerNorm) is served
-    for r in four_ranks["TP x FSDP (2-D)"].values():
-        assert len(r["reasons"]) == 2 and all("tensor-parallel" in why for why in r["reasons"].values())
-
-
-def test_tensor_parallel_groups_fall_back_on_a_3d_mesh():
-    result = merged(run_distributed(run_scenarios, 8, args=(SCENARIOS, ON_8_RANKS), timeout=600))
-    assert_exact(result, "HSDP x TP (3-D)", served=1)
-    for r in result["HSDP x TP (3-D)"].values():
-        assert len(r["reasons"]) == 2 and all("tensor-parallel" in why for why in r["reasons"].values())
 
 
 def _slot_conflicts(rank, world_size):

@@ -143,6 +143,51 @@ def post_forward_group_size(param_group) -> int | None:
     return None if group is None else group.size()
 
 
+def _mesh_dims(mesh) -> str:
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    return ", ".join(f"{name}={size}" for name, size in zip(names, mesh.shape))
+
+
+def _data_parallel_setup(param_group) -> str:
+    """The mesh dims FSDP2 shards (and, under HSDP, replicates) this group over: "dp 2",
+    "replicate 2 x shard 2", plus the whole mesh they were taken from when it has more dims."""
+    info = param_group.mesh_info
+    mesh = info.mesh
+    names = mesh.mesh_dim_names
+    dims = [
+        f"{names[d] if names else role} {mesh.size(d)}"
+        for role, d in (("replicate", getattr(info, "replicate_mesh_dim", None)), ("shard", info.shard_mesh_dim))
+        if d is not None
+    ]
+    root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
+    whole = f" of mesh ({_mesh_dims(root)})" if root.ndim > mesh.ndim else ""
+    return " x ".join(dims) + whole
+
+
+def _tensor_parallel_setup(param_group) -> str | None:
+    """The mesh dims a group's DTensor parameters are already sharded over before FSDP2 shards
+    their local tensors (tensor parallel), or None. FSDP2 keeps the parameter's own spec as
+    ``_unsharded_dtensor_spec`` (torch 2.11: ``_tp_spec``)."""
+    dims: dict[str, None] = {}
+    for fp in param_group.fsdp_params:
+        spec = getattr(fp, "_unsharded_dtensor_spec", None) or getattr(fp, "_tp_spec", None)
+        if spec is not None:
+            mesh = spec.mesh
+            dims.update(dict.fromkeys(mesh.mesh_dim_names or [_mesh_dims(mesh)]))
+    return f"tensor parallel on {'+'.join(dims)}" if dims else None
+
+
+def setup_notes(param_group) -> list[str]:
+    """What the install report says about how FSDP2 set a group up (one entry per aspect)."""
+    if not hasattr(param_group, "mesh_info"):  # an unknown FSDP2 (the report gives the reason)
+        return []
+    notes = [_data_parallel_setup(param_group)]
+    tensor_parallel = _tensor_parallel_setup(param_group)
+    if tensor_parallel is not None:
+        notes.append(tensor_parallel)
+    return notes
+
+
 def reshards_after_forward(param_group) -> bool:
     return getattr(param_group, "post_forward_mesh_info", None) is not None
 
@@ -191,8 +236,9 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
             return "CPU offload"
         if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
             return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
-        if getattr(fp, "_unsharded_dtensor_spec", None) is not None or getattr(fp, "_tp_spec", None) is not None:
-            return f"parameter {name} is also tensor-parallel (a DTensor on a 2-D+ mesh)"
+    if getattr(param_group.mesh_info, "is_spmd_mesh", False):
+        # torch 2.13+: parameters are DTensors on the whole mesh, FSDP2 told its data-parallel dims.
+        return "fully_shard(dp_mesh_dims=...) (an SPMD mesh) is served by stock collectives"
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather, DefaultReduceScatter
 
     if not isinstance(param_group._all_gather_comm, DefaultAllGather) or not isinstance(

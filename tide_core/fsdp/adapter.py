@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from tide_core.config import TIDEConfig
-from tide_core.errors import TIDEError
+from tide_core.errors import RankMismatchError, TIDEError
 from tide_core.fsdp import accessors, dispatch
 from tide_core.fsdp.group import ReorderBuffer, ServedGroup, SlotRing
 from tide_core.fsdp.landing import mark_served, unmark_served
@@ -55,6 +55,7 @@ class GroupEntry:
     install_reason: str | None  # why install left the group on stock collectives
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
     shard_dims_note: str | None = None  # parameters sharded on a dim other than 0, e.g. "Shard(1): 3 params"
+    setup: str = ""  # how FSDP2 set the group up (accessors.setup_notes): its mesh dims, ...
 
     @property
     def active(self) -> bool:
@@ -145,7 +146,11 @@ class TIDEHandle:
             lines += [f"  transport: {summary}"] + [f"    {line}" for line in details]
         name_width = max([5] + [len(e.name) for e in self.entries])
         dtype_width = max([5] + [len(e.dtype) for e in self.entries])
-        lines.append(f"  {'#':>3} {'group':<{name_width}} {'P':>4} {'S/rank':>11} {'dtype':<{dtype_width}} status")
+        setup_width = max([5] + [len(e.setup) for e in self.entries])
+        lines.append(
+            f"  {'#':>3} {'group':<{name_width}} {'P':>4} {'S/rank':>11} {'dtype':<{dtype_width}} "
+            f"{'setup':<{setup_width}} status"
+        )
         for e in self.entries:
             if e.active:
                 status = f"TIDE, {e.served.placement}"
@@ -160,7 +165,7 @@ class TIDEHandle:
                 status += f"; {e.shard_dims_note}"
             lines.append(
                 f"  {e.index:>3} {e.name:<{name_width}} {e.num_params:>4} {fmt_bytes(e.shard_bytes):>11} "
-                f"{e.dtype:<{dtype_width}} {status}"
+                f"{e.dtype:<{dtype_width}} {e.setup:<{setup_width}} {status}"
             )
         mem = self.memory()
         lines.append(
@@ -216,6 +221,32 @@ def _ineligible(param_group, config: TIDEConfig, names: dict[int, str]) -> str |
             "stock's rounding (TIDE rounds its fp32 sum once; with two ranks that is stock's result)"
         )
     return point_to_point_unavailable_reason(accessors.shard_process_group(param_group))
+
+
+def _check_shard_bytes_agree(entries: list[GroupEntry], param_groups: list, config: TIDEConfig) -> None:
+    """Abort on every rank unless the ranks of each shard group hold the same shard bytes for every
+    group TIDE is to serve (the layout their transport shares). Only within a shard group:
+    tensor-parallel ranks legitimately hold different local shapes (a dim that does not divide by
+    the tensor-parallel size). Called after the world-wide agreement, so every rank runs the same
+    sequence of shard-group checks; a second world-wide agreement makes a mismatch inside one
+    shard group an error on every rank."""
+    per_group: dict[int, tuple] = {}  # id(shard process group) -> (process group, description)
+    for e, param_group in zip(entries, param_groups):
+        if e.install_reason is None:
+            process_group = accessors.shard_process_group(param_group)
+            _, description = per_group.setdefault(id(process_group), (process_group, {}))
+            description[f"group {e.index} ({e.name}) shard bytes"] = e.shard_bytes
+    problems = []
+    for process_group, description in per_group.values():
+        what = f"tide_core.install (shard group of ranks {dist.get_process_group_ranks(process_group)})"
+        try:
+            check_agreement(description, process_group, what, config.timeout_s)
+        except RankMismatchError as exc:
+            problems.append(str(exc))
+    outcome = "; ".join(problems) or "agree"
+    check_agreement({"shard bytes in this rank's shard group": outcome}, None, "tide_core.install", config.timeout_s)
+    if problems:  # every rank found the same mismatch (its shard group is the world)
+        raise RankMismatchError(outcome)
 
 
 def _topology(process_group, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
@@ -330,24 +361,20 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                 reason,
                 trainable=bool(accessors.trainable_params(param_group)),
                 shard_dims_note=accessors.shard_dims_note(param_group),
+                setup="; ".join(accessors.setup_notes(param_group)),
             )
         )
         ring_ok = config.ring and _ring_eligible(param_group, module, fsdp_modules)
         plans.append((param_group, topo, post_forward_topo, ring_ok))
 
-    # Shard bytes must agree only for groups TIDE serves: tensor-parallel ranks legitimately hold
-    # different local shapes, and their groups fall back (the reason must agree).
     description = {
         "torch": torch.__version__,
         **{f"config.{k}": v for k, v in config.describe().items()},
-        **{
-            f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason)
-            + ((e.shard_bytes,) if e.reason is None else ())
-            for e in entries
-        },
+        **{f"group {e.index} ({e.name})": (e.num_params, e.dtype, e.reason, e.shard_dims_note) for e in entries},
     }
     if dist.get_world_size() > 1:
         check_agreement(description, None, "tide_core.install", config.timeout_s)
+        _check_shard_bytes_agree(entries, [plan[0] for plan in plans], config)
 
     transports: dict = {}
     rings: dict = {}

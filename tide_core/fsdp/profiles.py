@@ -92,6 +92,7 @@ FSDP_PARAM_ATTRIBUTES = (
 FSDP_PARAM_GROUP_ATTRIBUTES = (
     "fsdp_params",
     "device",
+    "mesh_info",
     "post_forward_mesh_info",
     "_all_gather_comm",
     "_reduce_scatter_comm",

@@ -343,10 +343,14 @@ def check_agreement(
         raise peer_error(exc, what, group, None) from exc
     problems = []
     base = descriptions[0]
+    first = dist.get_global_rank(group, 0)  # ranks are named globally, whatever the group
     for rank, other in enumerate(descriptions[1:], start=1):
         for key in sorted(set(base) | set(other), key=str):
             if base.get(key) != other.get(key):
-                problems.append(f"rank {rank} has {key}={other.get(key)!r} but rank 0 has {base.get(key)!r}")
+                problems.append(
+                    f"rank {dist.get_global_rank(group, rank)} has {key}={other.get(key)!r} "
+                    f"but rank {first} has {base.get(key)!r}"
+                )
                 break
     raise RankMismatchError(f"{what}: ranks disagree: " + "; ".join(problems))
 

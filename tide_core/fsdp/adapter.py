@@ -15,6 +15,7 @@ the groups abort on every rank with a message naming the difference. Installing 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from dataclasses import dataclass
 
@@ -38,8 +39,22 @@ log = logging.getLogger("tide")
 
 #: Parameter and gradient dtypes TIDE serves (gradients are summed in fp32).
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: What else a group may all-gather (moved as bytes; never reduced): frozen integer or fp64 parameters.
-GATHERED_ONLY_DTYPES = (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+#: What else a group may all-gather (moved as bytes; never reduced): frozen integer or fp64 parameters,
+#: and the float8 data of all-gather extensions (torchao's float8 all-gather).
+GATHERED_ONLY_DTYPES = (
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+)
 
 _HANDLE_ATTR = "_tide_handle"
 
@@ -54,6 +69,7 @@ class GroupEntry:
     served: ServedGroup | None
     install_reason: str | None  # why install left the group on stock collectives
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
+    extension_inputs: list | None = None  # per parameter: its all-gather extension's inputs, or None
 
     @property
     def active(self) -> bool:
@@ -150,6 +166,8 @@ class TIDEHandle:
                 status = f"TIDE, {e.served.placement}"
                 if not e.trainable:
                     status += "; all-gather only (no trainable parameter, nothing to reduce)"
+                if e.served.extensions:
+                    status += f"; all-gather extension: {', '.join(e.served.extensions)}"
             else:
                 status = f"stock: {e.reason}"
             lines.append(
@@ -210,6 +228,53 @@ def _ineligible(param_group, config: TIDEConfig, names: dict[int, str]) -> str |
             "stock's rounding (TIDE rounds its fp32 sum once; with two ranks that is stock's result)"
         )
     return point_to_point_unavailable_reason(accessors.shard_process_group(param_group))
+
+
+def _plan_extensions(entries: list[GroupEntry], param_groups: list, names: dict[int, str], timeout_s) -> None:
+    """What the served groups' all-gather extensions gather, known only from their
+    ``fsdp_pre_all_gather``: one call per such parameter now (after the ranks agreed on the groups,
+    since it may be collective: torchao reduces the amax over the shard group) plans every input's
+    landing, and the ranks agree on the result. Each all-gather checks its inputs against this plan
+    (other inputs before the group's first all-gather: stock collectives; after: an error)."""
+    planned = []
+    for entry, param_group in zip(entries, param_groups):
+        fsdp_params = accessors.fsdp_params(param_group)
+        if entry.install_reason is not None or not any(accessors.has_all_gather_extension(fp) for fp in fsdp_params):
+            continue
+        planned.append(entry)
+        inputs, reason = [], None
+        for fp in fsdp_params:
+            if not accessors.has_all_gather_extension(fp):
+                inputs.append(None)
+                continue
+            name = names.get(id(fp.sharded_param), "?")
+            try:
+                with torch.no_grad():
+                    specs = accessors.extension_input_sizes(fp)
+            except Exception as exc:  # an extension's own error, named in the fallback reason
+                reason = f"parameter {name}: fsdp_pre_all_gather failed at install: {type(exc).__name__}: {exc}"
+                break
+            bad = sorted({str(d) for _, d in specs if d not in SERVED_DTYPES + GATHERED_ONLY_DTYPES})
+            if not specs or bad or any(math.prod(size) == 0 for size, _ in specs):
+                what = f"unsupported dtype {', '.join(bad)}" if bad else "no or empty all-gather inputs"
+                reason = f"parameter {name}: all-gather extension with {what}"
+                break
+            inputs.append(specs)
+        entry.install_reason, entry.extension_inputs = reason, inputs if reason is None else None
+        if reason is None:  # the report shows what is moved
+            moved = []
+            for numel, dtype, specs in zip(
+                accessors.padded_shard_numels(param_group), accessors.all_gather_dtypes(param_group), inputs
+            ):
+                moved += [(numel, dtype)] if specs is None else [(math.prod(size), d) for size, d in specs]
+            dtypes = [d for _, d in moved]
+            entry.dtype = "+".join(str(d).replace("torch.", "") for d in sorted(set(dtypes), key=dtypes.index))
+            entry.shard_bytes = sum(numel * d.itemsize for numel, d in moved)
+    if planned and dist.get_world_size() > 1:
+        description = {
+            f"group {e.index} ({e.name})": (e.dtype, e.shard_bytes, e.reason, repr(e.extension_inputs)) for e in planned
+        }
+        check_agreement(description, None, "tide_core.install (all-gather extensions)", timeout_s)
 
 
 def _topology(process_group, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
@@ -311,6 +376,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     }
     if dist.get_world_size() > 1:
         check_agreement(description, None, "tide_core.install", config.timeout_s)
+    _plan_extensions(entries, [param_group for param_group, _, _ in plans], names, config.timeout_s)
 
     transports: dict = {}
     rings: dict = {}
@@ -346,7 +412,9 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                     ) from exc
                 entry.install_reason = f"transport unavailable: {exc}"
                 continue
-        group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None)
+        group = ServedGroup(
+            config, entry.index, entry.name, param_group, transports[key], None, extension_inputs=entry.extension_inputs
+        )
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
         mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)

@@ -30,6 +30,14 @@ def _as_2d(shape: Sequence[int] | int, index: int) -> tuple[int, int]:
     return dims[0], math.prod(dims[1:])
 
 
+def gathered_shape(input_shape: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """The unsharded shape of an all-gather input whose per-rank shape is ``input_shape``: the N
+    ranks' inputs stacked on dimension 0 (FSDP2's all-gather extensions; a 0-d input gathers to N
+    elements). Its layout entry then has R = the input's dim 0 and no padding."""
+    dims = tuple(int(d) for d in input_shape) or (1,)
+    return (dims[0] * world_size, *dims[1:])
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """Layout of one FSDP2 parameter group sharded over ``world_size`` ranks.

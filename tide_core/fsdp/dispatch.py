@@ -162,6 +162,9 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
             group is None
             or arguments["reduce_scatter_group"] is None
             or any(fp.fsdp_placement.dim != 0 for fp in fsdp_params)
+            # Gradients that are tensor subclasses (an all-gather extension's parameter type flowing
+            # into its gradient) are FSDP2's to reduce: TIDE's transports move plain tensors.
+            or any(type(g) is not torch.Tensor for g in arguments["unsharded_grads"])
         ):
             return stock_reduce(*args, **kwargs)
         call = reduce_call(internals, arguments)

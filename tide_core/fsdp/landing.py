@@ -70,11 +70,13 @@ def _free_unsharded(fp, landings: list[torch.Tensor], on_free: Callable[[], None
     ``fsdp_post_all_gather`` allocated apart from the landings (a cast copy) is freed as FSDP2
     frees it (``init_unsharded_param`` allocates it again); the landings, and any view of them,
     are released logically."""
-    landing_storages = {t.untyped_storage().data_ptr() for t in landings}
-    for tensor in accessors.unsharded_inner_tensors(fp):
-        storage = tensor.untyped_storage()
-        if storage.size() and storage.data_ptr() not in landing_storages:
-            storage.resize_(0)
+    inner = accessors.unsharded_inner_tensors(fp)  # empty without an extension
+    if inner:
+        landing_storages = {t.untyped_storage().data_ptr() for t in landings}
+        for tensor in inner:
+            storage = tensor.untyped_storage()
+            if storage.size() and storage.data_ptr() not in landing_storages:
+                storage.resize_(0)
     on_free()
 
 

@@ -196,7 +196,9 @@ def lm_tokens(rank: int, n: int):
     return [torch.randint(0, 37, (2, 9), generator=gen) for _ in range(n)]
 
 
-def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None):
+def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None, after_steps=None):
+    """``steps`` optimizer steps on fresh tokens; ``after_steps(rec)`` (if given) looks at the model
+    before ``rec.finish()`` uninstalls TIDE."""
     opt = adam(model)
     for step, tokens in enumerate(lm_tokens(rank, steps)):
         loss = loss_fn(model, tokens.to(scenario_device()))
@@ -204,4 +206,6 @@ def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None):
         if clip is not None:
             rec.loss(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor())
         rec.step(opt, step % 2 == 0)
+    if after_steps is not None:
+        after_steps(rec)
     return rec.finish()

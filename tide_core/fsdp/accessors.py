@@ -234,8 +234,6 @@ def ineligible(param_group, names: dict[int, str]) -> str | None:
             return f"parameter {name} has no elements"
         if fp.offload_to_cpu:
             return "CPU offload"
-        if hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather"):
-            return f"parameter {name} uses an all-gather extension (fsdp_pre_all_gather)"
     if getattr(param_group.mesh_info, "is_spmd_mesh", False):
         # torch 2.13+: parameters are DTensors on the whole mesh, FSDP2 told its data-parallel dims.
         return "fully_shard(dp_mesh_dims=...) (an SPMD mesh) is served by stock collectives"
@@ -268,9 +266,47 @@ def unsharded_grad_pending(fsdp_params) -> bool:
     )
 
 
-def all_gather_inputs(internals: FSDPInternals, fsdp_params) -> list[torch.Tensor]:
-    """Each parameter's local shard as FSDP2 would all-gather it (its fused cast under MP)."""
-    return [ts[0] for ts in internals.collectives_module._get_param_all_gather_inputs(fsdp_params)]
+def all_gather_inputs(internals: FSDPInternals, fsdp_params) -> list[list[torch.Tensor]]:
+    """What FSDP2 all-gathers for each parameter, 1-D: its local shard (its fused cast under MP), or
+    the inputs its all-gather extension's ``fsdp_pre_all_gather`` returns (any number, any dtype)."""
+    return internals.collectives_module._get_param_all_gather_inputs(fsdp_params)
+
+
+def has_all_gather_extension(fp) -> bool:
+    """The parameter's local shard defines ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather``
+    (e.g. torchao's float8 all-gather): FSDP2 gathers what the first returns and builds the
+    unsharded parameter with the second."""
+    return hasattr(fp._sharded_local_tensor, "fsdp_pre_all_gather")
+
+
+def extension_names(param_group) -> list[str]:
+    """The all-gather extensions of a group's parameters, by the class of their local shard."""
+    return sorted(
+        {type(fp._sharded_local_tensor).__name__ for fp in param_group.fsdp_params if has_all_gather_extension(fp)}
+    )
+
+
+def extension_input_sizes(fp) -> list[tuple[torch.Size, torch.dtype]]:
+    """(per-rank size, dtype) of each all-gather input of a parameter with an all-gather extension,
+    from one call of its ``fsdp_pre_all_gather`` through FSDP2's own ``all_gather_inputs`` (which
+    checks the inputs as every all-gather does). The call may be collective (torchao reduces the
+    amax over the shard group): every rank makes it in the same order. FSDP2's pending extension
+    data is left as it was."""
+    if not hasattr(fp, "_extensions_data"):  # patched on after fully_shard: FSDP2's lazy init does the same
+        fp._init_extensions()
+    data = fp._extensions_data
+    saved = (data.all_gather_metadata, data.all_gather_input_sizes)
+    try:
+        inputs = fp.all_gather_inputs
+        return [(size, t.dtype) for size, t in zip(data.all_gather_input_sizes, inputs)]
+    finally:
+        data.all_gather_metadata, data.all_gather_input_sizes = saved
+
+
+def unsharded_inner_tensors(fp) -> list[torch.Tensor]:
+    """The tensors an all-gather extension's ``fsdp_post_all_gather`` built the unsharded parameter
+    from (FSDP2 frees them with the all-gather outputs on reshard)."""
+    return getattr(fp, "_unsharded_inner_tensors", [])
 
 
 def gradient_divide_factors(

@@ -15,6 +15,7 @@ the groups abort on every rank with a message naming the difference. Installing 
 from __future__ import annotations
 
 import logging
+import math
 import socket
 from dataclasses import dataclass
 
@@ -38,8 +39,22 @@ log = logging.getLogger("tide")
 
 #: Parameter and gradient dtypes TIDE serves (gradients are summed in fp32).
 SERVED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-#: What else a group may all-gather (moved as bytes; never reduced): frozen integer or fp64 parameters.
-GATHERED_ONLY_DTYPES = (torch.float64, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+#: What else a group may all-gather (moved as bytes; never reduced): frozen integer or fp64 parameters,
+#: and the float8 data of all-gather extensions (torchao's float8 all-gather).
+GATHERED_ONLY_DTYPES = (
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.float8_e4m3fnuz,
+    torch.float8_e5m2,
+    torch.float8_e5m2fnuz,
+    torch.float8_e8m0fnu,
+)
 
 _HANDLE_ATTR = "_tide_handle"
 
@@ -56,6 +71,7 @@ class GroupEntry:
     trainable: bool = True  # has a parameter that requires a gradient (else nothing is reduced)
     shard_dims_note: str | None = None  # parameters sharded on a dim other than 0, e.g. "Shard(1): 3 params"
     setup: str = ""  # how FSDP2 set the group up (accessors.setup_notes): its mesh dims, ...
+    extension_inputs: list | None = None  # per parameter: its all-gather extension's inputs, or None
 
     @property
     def active(self) -> bool:
@@ -159,6 +175,8 @@ class TIDEHandle:
                     status += f"; reshards to {post_forward} ranks after forward"
                 if not e.trainable:
                     status += "; all-gather only (no trainable parameter, nothing to reduce)"
+                if e.served.extensions:
+                    status += f"; all-gather extension: {', '.join(e.served.extensions)}"
             else:
                 status = f"stock: {e.reason}"
             if e.shard_dims_note:
@@ -247,6 +265,57 @@ def _check_shard_bytes_agree(entries: list[GroupEntry], param_groups: list, conf
     check_agreement({"shard bytes in this rank's shard group": outcome}, None, "tide_core.install", config.timeout_s)
     if problems:  # every rank found the same mismatch (its shard group is the world)
         raise RankMismatchError(outcome)
+
+
+def _plan_extensions(entries: list[GroupEntry], param_groups: list, names: dict[int, str], timeout_s) -> None:
+    """What the served groups' all-gather extensions gather, known only from their
+    ``fsdp_pre_all_gather``: one call per such parameter now (after the ranks agreed on the groups,
+    since it may be collective: torchao reduces the amax over the shard group) plans every input's
+    landing, and the ranks agree on the result. Each all-gather checks its inputs against this plan
+    (other inputs before the group's first all-gather: stock collectives; after: an error)."""
+    planned = []
+    for entry, param_group in zip(entries, param_groups):
+        fsdp_params = accessors.fsdp_params(param_group)
+        if entry.install_reason is not None or not any(accessors.has_all_gather_extension(fp) for fp in fsdp_params):
+            continue
+        planned.append(entry)
+        inputs, reason = [], None
+        for fp in fsdp_params:
+            if not accessors.has_all_gather_extension(fp):
+                inputs.append(None)
+                continue
+            name = names.get(id(fp.sharded_param), "?")
+            if fp.fsdp_placement.dim != 0 or accessors.post_forward_process_group(param_group) is not None:
+                # Each input lands as one rank-blocked entry: no reorder, no post-forward layout.
+                reason = f"parameter {name}: an all-gather extension with Shard(dim != 0) or reshard_after_forward=int"
+                break
+            try:
+                with torch.no_grad():
+                    specs = accessors.extension_input_sizes(fp)
+            except Exception as exc:  # an extension's own error, named in the fallback reason
+                reason = f"parameter {name}: fsdp_pre_all_gather failed at install: {type(exc).__name__}: {exc}"
+                break
+            bad = sorted({str(d) for _, d in specs if d not in SERVED_DTYPES + GATHERED_ONLY_DTYPES})
+            if not specs or bad or any(math.prod(size) == 0 for size, _ in specs):
+                what = f"unsupported dtype {', '.join(bad)}" if bad else "no or empty all-gather inputs"
+                reason = f"parameter {name}: all-gather extension with {what}"
+                break
+            inputs.append(specs)
+        entry.install_reason, entry.extension_inputs = reason, inputs if reason is None else None
+        if reason is None:  # the report shows what is moved
+            moved = []
+            for numel, dtype, specs in zip(
+                accessors.padded_shard_numels(param_group), accessors.all_gather_dtypes(param_group), inputs
+            ):
+                moved += [(numel, dtype)] if specs is None else [(math.prod(size), d) for size, d in specs]
+            dtypes = [d for _, d in moved]
+            entry.dtype = "+".join(str(d).replace("torch.", "") for d in sorted(set(dtypes), key=dtypes.index))
+            entry.shard_bytes = sum(numel * d.itemsize for numel, d in moved)
+    if planned and dist.get_world_size() > 1:
+        description = {
+            f"group {e.index} ({e.name})": (e.dtype, e.shard_bytes, e.reason, repr(e.extension_inputs)) for e in planned
+        }
+        check_agreement(description, None, "tide_core.install (all-gather extensions)", timeout_s)
 
 
 def _topology(process_group, config: TIDEConfig, hosts: list[str]) -> tuple[Topology | None, str | None]:
@@ -375,6 +444,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
     if dist.get_world_size() > 1:
         check_agreement(description, None, "tide_core.install", config.timeout_s)
         _check_shard_bytes_agree(entries, [plan[0] for plan in plans], config)
+    _plan_extensions(entries, [plan[0] for plan in plans], names, config.timeout_s)
 
     transports: dict = {}
     rings: dict = {}
@@ -421,7 +491,16 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
             continue
         key = keys[0]
         post_forward_transport = transports[keys[1]] if len(keys) > 1 else None
-        group = ServedGroup(config, entry.index, entry.name, param_group, transports[key], None, post_forward_transport)
+        group = ServedGroup(
+            config,
+            entry.index,
+            entry.name,
+            param_group,
+            transports[key],
+            None,
+            post_forward_transport,
+            extension_inputs=entry.extension_inputs,
+        )
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
         if group.reorder is not None:

@@ -66,15 +66,21 @@ def reduce_call(internals: FSDPInternals, arguments: dict) -> ReduceCall:
     )
 
 
-def all_gather_result(internals: FSDPInternals, shards: list[torch.Tensor], event, device: torch.device):
-    """The AllGatherResult FSDP2 holds for a TIDE all-gather: an empty marker as the output that
-    keeps the shards alive (stream-safely, like FSDP2's own flat buffer)."""
+def all_gather_result(internals: FSDPInternals, param_inputs: list[list[torch.Tensor]], event, device: torch.device):
+    """The AllGatherResult FSDP2 holds for a TIDE all-gather: each parameter's input dtypes and
+    numels (several for an all-gather extension), and an empty marker as the output that keeps the
+    inputs alive (stream-safely, like FSDP2's own flat buffer)."""
+    shards = [t for inputs in param_inputs for t in inputs]
     dtypes = {s.dtype for s in shards}
     marker = torch.empty(0, dtype=dtypes.pop() if len(dtypes) == 1 else torch.uint8, device=device)
     setattr(marker, _TIDE_INPUTS, shards)
-    numels = [[s.numel()] for s in shards]
     return internals.collectives_module.AllGatherResult(
-        marker, event, None, [[s.dtype] for s in shards], numels, [s.numel() for s in shards]
+        marker,
+        event,
+        None,
+        [[t.dtype for t in inputs] for inputs in param_inputs],
+        [[t.numel() for t in inputs] for inputs in param_inputs],
+        [s.numel() for s in shards],
     )
 
 
@@ -123,16 +129,19 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
         copy_in_stream = arguments["all_gather_copy_in_stream"]
         with torch.no_grad():
             with getattr(torch, arguments["device"].type).stream(copy_in_stream):
-                shards = accessors.all_gather_inputs(internals, fsdp_params)  # FSDP2's fused cast under MP
-            if group.landings is None and group.planned_dtypes_differ(shards):
+                # FSDP2's fused cast under MP; an all-gather extension's inputs (several per parameter)
+                param_inputs = accessors.all_gather_inputs(internals, fsdp_params)
+            shards = [t for inputs in param_inputs for t in inputs]
+            if group.landings is None and group.planned_inputs_differ(shards):
                 group.fall_back(
-                    f"FSDP2 all-gathers {sorted({str(t.dtype) for t in shards})}, not the dtypes install saw "
-                    "(parameters cast after install; install after the last cast to serve the group)"
+                    f"FSDP2 all-gathers {sorted({str(t.dtype) for t in shards})} inputs other than install "
+                    "planned (parameters cast after install, or an all-gather extension that changed its "
+                    "inputs; install after the last cast to serve the group)"
                 )
                 return stock_all_gather(*args, **kwargs)
             call = AllGatherCall(shards, copy_in_stream, arguments["all_gather_stream"], arguments["group"])
             event = group.all_gather(call)
-        return all_gather_result(internals, shards, event, arguments["device"])
+        return all_gather_result(internals, param_inputs, event, arguments["device"])
 
     out["foreach_all_gather"] = foreach_all_gather
 
@@ -154,7 +163,13 @@ def _make_dispatchers(internals: FSDPInternals) -> dict:
         arguments = bind_reduce(args, kwargs)
         fsdp_params = arguments["fsdp_params"]
         group = served_group(fsdp_params)
-        if group is None or arguments["reduce_scatter_group"] is None:
+        if (
+            group is None
+            or arguments["reduce_scatter_group"] is None
+            # Gradients that are tensor subclasses (an all-gather extension's parameter type flowing
+            # into its gradient) are FSDP2's to reduce: TIDE's transports move plain tensors.
+            or any(type(g) is not torch.Tensor for g in arguments["unsharded_grads"])
+        ):
             return stock_reduce(*args, **kwargs)
         call = reduce_call(internals, arguments)
         with torch.no_grad():

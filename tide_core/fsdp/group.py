@@ -3,8 +3,10 @@
 All-gather: shards land in an arena slot at Landing(p, r); ``FSDPParam.all_gather_outputs[0]``
 *is* that landing (a zero-offset storage rooted at the slot address), so FSDP2's
 ``init_unsharded_param`` builds the unsharded parameter over it and neither the rank-major buffer
-nor ``split_with_sizes_copy`` exists. Freeing after reshard is logical (the slot is released for
-the next group), never a ``resize_``.
+nor ``split_with_sizes_copy`` exists. A parameter with an all-gather extension has one landing per
+input its ``fsdp_pre_all_gather`` returns, each an entry of the layout in its own dtype, and
+FSDP2's ``fsdp_post_all_gather`` builds the parameter from them. Freeing after reshard is logical
+(the slot is released for the next group), never a ``resize_``.
 
 Reduce-scatter: the gradients autograd produced go straight to the transport, which writes the
 fp32 packed shard FSDP2 expects (no ``_chunk_cat``, no full-group fp32 buffer); FSDP2's divide
@@ -30,7 +32,7 @@ from tide_core.fsdp import accessors
 from tide_core.fsdp.calls import AllGatherCall, ReduceCall, ReduceOutcome
 from tide_core.fsdp.grads import set_sharded_grads
 from tide_core.fsdp.landing import release_landings, root_landings, unmark_served
-from tide_core.plan import GroupLayout
+from tide_core.plan import GroupLayout, gathered_shape
 from tide_core.runtime.arena import Segment
 
 log = logging.getLogger("tide")
@@ -98,9 +100,12 @@ class ServedGroup:
         transport,
         ring: SlotRing | None,
         post_forward_transport=None,
+        extension_inputs: list | None = None,
     ):
         """``post_forward_transport``: for ``reshard_after_forward=int``, the transport over the
-        post-forward process group, which backward's re-gather runs over (into the same landings)."""
+        post-forward process group, which backward's re-gather runs over (into the same landings).
+        ``extension_inputs``: per parameter, None, or the (per-rank size, dtype) of each input its
+        all-gather extension returns (``accessors.extension_input_sizes``)."""
         self.config = config
         self.index = index
         self.name = name
@@ -110,22 +115,36 @@ class ServedGroup:
         self.ring = ring
         self.device = accessors.param_group_device(param_group)
         self.world_size = transport.topology.world_size
-        self.ag_dtypes = accessors.all_gather_dtypes(param_group)
+        N = self.world_size
         shapes = accessors.param_shapes(self.fsdp_params)
         dims = accessors.shard_dims(self.fsdp_params)
-        # One dtype: the layout in its elements. Several (frozen bf16 weights beside fp32 adapters):
-        # the all-gather moves bytes, every landing aligned for its own dtype; the reduce-scatter
-        # keeps FSDP2's packed fp32 element layout.
+        # One layout entry per all-gather input: a parameter's own shard, or each input of its
+        # all-gather extension (landing in its own dtype; FSDP2's fsdp_post_all_gather builds the
+        # parameter from them). Install keeps extensions to parameters sharded on dim 0.
+        entry_shapes, entry_dims, self.ag_dtypes, self.inputs_per_param = [], [], [], []
+        for shape, dim, dtype, inputs in zip(
+            shapes, dims, accessors.all_gather_dtypes(param_group), extension_inputs or [None] * len(shapes)
+        ):
+            if inputs is None:
+                inputs = [(None, dtype)]
+            entry_shapes += [shape if size is None else gathered_shape(size, N) for size, _ in inputs]
+            entry_dims += [dim if size is None else 0 for size, _ in inputs]
+            self.ag_dtypes += [d for _, d in inputs]
+            self.inputs_per_param.append(len(inputs))
+        self.extensions = accessors.extension_names(param_group) if extension_inputs else []
+        # One dtype: the layout in its elements. Several (frozen bf16 weights beside fp32 adapters,
+        # float8 data beside fp32 scales): the all-gather moves bytes, every landing aligned for its
+        # own dtype; the reduce-scatter keeps FSDP2's packed fp32 element layout, per parameter.
         self.mixed_dtypes = len(set(self.ag_dtypes)) > 1
         if self.mixed_dtypes:
             itemsizes = [d.itemsize for d in self.ag_dtypes]
-            self.layout = GroupLayout.bytes_of(shapes, itemsizes, self.world_size, shard_dims=dims)
-            self.reduce_layout = GroupLayout.from_shapes(shapes, world_size=self.world_size, shard_dims=dims)
+            self.layout = GroupLayout.bytes_of(entry_shapes, itemsizes, N, shard_dims=entry_dims)
         else:
             itemsize = self.ag_dtypes[0].itemsize
-            self.layout = GroupLayout.from_shapes(
-                shapes, world_size=self.world_size, itemsize=itemsize, shard_dims=dims
-            )
+            self.layout = GroupLayout.from_shapes(entry_shapes, world_size=N, itemsize=itemsize, shard_dims=entry_dims)
+        if self.mixed_dtypes or self.extensions:
+            self.reduce_layout = GroupLayout.from_shapes(shapes, world_size=N, shard_dims=dims)
+        else:
             self.reduce_layout = self.layout
         self.post_forward_transport = post_forward_transport
         self.post_forward_group = accessors.post_forward_process_group(param_group)
@@ -186,7 +205,11 @@ class ServedGroup:
             )
             for p, dtype in enumerate(self.ag_dtypes)
         ]
-        root_landings(self.fsdp_params, self.landings, self._released)
+        per_param, start = [], 0
+        for count in self.inputs_per_param:
+            per_param.append(self.landings[start : start + count])
+            start += count
+        root_landings(self.fsdp_params, per_param, self._released)
         if self.reorder is not None:
             segment, wire = self.reorder.segment(), self._wire_dtype
             self.reorder_outputs = {
@@ -217,9 +240,16 @@ class ServedGroup:
         """Whether an all-gather over ``process_group`` is the re-gather from post-forward shards."""
         return self.post_forward_group is not None and process_group is self.post_forward_group
 
-    def planned_dtypes_differ(self, shards) -> bool:
-        """FSDP2 all-gathers other dtypes than install planned (parameters cast after install)."""
-        return [t.dtype for t in shards] != self.ag_dtypes
+    def planned_inputs(self, process_group=None) -> list[tuple[torch.dtype, int]]:
+        """(dtype, numel) of every all-gather input the landings were planned for, over
+        ``process_group`` (the post-forward group's shards hold N/k of the main ones)."""
+        layout = self.post_forward_layout if self.is_post_forward(process_group) else self.layout
+        return [(d, layout.shard_bytes(e) // d.itemsize) for e, d in enumerate(self.ag_dtypes)]
+
+    def planned_inputs_differ(self, shards, process_group=None) -> bool:
+        """FSDP2 all-gathers other dtypes or sizes than install planned (parameters cast after
+        install, an all-gather extension that changed what it gathers)."""
+        return [(t.dtype, t.numel()) for t in shards] != self.planned_inputs(process_group)
 
     def stock_gradient_pending(self) -> bool:
         """Before the first TIDE all-gather: FSDP2 holds an unreduced gradient on an unsharded
@@ -280,10 +310,11 @@ class ServedGroup:
             self.ring.occupant[self.slot] = self
         self.live = True
         dh = self._device_handle
-        if self.planned_dtypes_differ(shards):  # after binding the landings cannot change
+        if self.planned_inputs_differ(shards, process_group):  # after binding the landings cannot change
             raise TIDEError(
-                f"group {self.name}: FSDP2 all-gathers {[t.dtype for t in shards]} but its landings hold "
-                f"{self.ag_dtypes} (parameter dtypes changed after its first all-gather)"
+                f"group {self.name}: FSDP2 all-gathers {[(t.dtype, t.numel()) for t in shards]} but its "
+                f"landings hold {self.planned_inputs(process_group)} (parameter dtypes or all-gather extension inputs "
+                "changed after its first all-gather)"
             )
         ag_stream.wait_stream(copy_in_stream)
         # After forward (reshard_after_forward=int) each rank holds 1/k of the padded parameters:

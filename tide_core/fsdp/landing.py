@@ -4,9 +4,12 @@ all-gather copy-out hook. All of it is removed again by ``unmark_served`` / ``re
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
+
+from tide_core.fsdp import accessors
 
 #: Where TIDE keeps its per-parameter state on FSDP2 objects (removed by ``unmark_served``).
 _GROUP_ATTR = "_tide_group"
@@ -43,33 +46,55 @@ def unmark_served(param_group) -> None:
         param_group._all_gather_output_fn = _default_all_gather_output_fn
 
 
-def root_landings(fsdp_params, landings: list[torch.Tensor], on_free: Callable[[], None]) -> None:
-    """Make each landing *the* all-gather output of its parameter: FSDP2's ``init_unsharded_param``
-    builds the unsharded parameter over it, its allocation is a no-op and its free is ``on_free``
-    (a logical release, never a ``resize_``)."""
-    for fp, landing in zip(fsdp_params, landings):
+def root_landings(fsdp_params, landings: list[list[torch.Tensor]], on_free: Callable[[], None]) -> None:
+    """Make each parameter's landings (one per all-gather input: one, or an all-gather extension's
+    several) *the* all-gather outputs of that parameter: FSDP2's ``init_unsharded_param`` builds
+    the unsharded parameter over them (itself, or through ``fsdp_post_all_gather``), their
+    allocation is a no-op and their free is ``on_free`` (a logical release, never a ``resize_``)."""
+    for fp, own in zip(fsdp_params, landings):
         if hasattr(fp, "_unsharded_param"):
             # Installed after stock steps ran: drop the parameter built over FSDP2's own
             # storage so init_unsharded_param rebuilds it over the landing.
             del fp._unsharded_param
-        fp.all_gather_outputs = [landing]
+            fp._unsharded_inner_tensors = []
+        fp.all_gather_outputs = list(own)
         fp.alloc_all_gather_outputs = _noop
-        fp.free_unsharded_param = on_free
+        # torch 2.15 frees an extension's all-gather outputs right after fsdp_post_all_gather when
+        # the extension says it no longer reads them: a landing stays until the group's release.
+        fp.free_all_gather_outputs = _noop
+        fp.free_unsharded_param = functools.partial(_free_unsharded, fp, own, on_free)
+
+
+def _free_unsharded(fp, landings: list[torch.Tensor], on_free: Callable[[], None]) -> None:
+    """FSDPParam.free_unsharded_param for served parameters: what an all-gather extension's
+    ``fsdp_post_all_gather`` allocated apart from the landings (a cast copy) is freed as FSDP2
+    frees it (``init_unsharded_param`` allocates it again); the landings, and any view of them,
+    are released logically."""
+    inner = accessors.unsharded_inner_tensors(fp)  # empty without an extension
+    if inner:
+        landing_storages = {t.untyped_storage().data_ptr() for t in landings}
+        for tensor in inner:
+            storage = tensor.untyped_storage()
+            if storage.size() and storage.data_ptr() not in landing_storages:
+                storage.resize_(0)
+    on_free()
 
 
 def release_landings(fsdp_params, rooted: bool) -> None:
     """Give FSDP2 its own all-gather storage and methods back (only while resharded)."""
     for fp in fsdp_params:
-        for attr in ("alloc_all_gather_outputs", "free_unsharded_param"):
+        for attr in ("alloc_all_gather_outputs", "free_all_gather_outputs", "free_unsharded_param"):
             fp.__dict__.pop(attr, None)
         if rooted:
             fp.all_gather_outputs = []
             if hasattr(fp, "_unsharded_param"):
                 del fp._unsharded_param
+                fp._unsharded_inner_tensors = []
 
 
 def _noop() -> None:
-    """FSDPParam.alloc_all_gather_outputs for served parameters: the landing is always there."""
+    """FSDPParam.alloc_all_gather_outputs / free_all_gather_outputs for served parameters: the
+    landing is always there."""
 
 
 def is_tide_all_gather_result(all_gather_result) -> bool:

@@ -15,7 +15,7 @@ from tide_core.plan.allgather import (
     balance_lanes,
     num_rounds,
 )
-from tide_core.plan.layout import GroupLayout
+from tide_core.plan.layout import GroupLayout, gathered_shape
 from tide_core.plan.memory import backward_live_bytes, memory_bounds, single_node_staging_bytes
 from tide_core.plan.reducescatter import (
     Chunk,
@@ -48,6 +48,7 @@ from tide_core.plan.topology import Topology
 __all__ = [
     "PlanError",
     "GroupLayout",
+    "gathered_shape",
     "Topology",
     "RailTransfer",
     "LocalPush",

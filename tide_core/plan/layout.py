@@ -57,6 +57,14 @@ def _shard_dims(shard_dims: Sequence[int] | None, count: int) -> tuple[int, ...]
     return tuple(int(k) for k in shard_dims)
 
 
+def gathered_shape(input_shape: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """The unsharded shape of an all-gather input whose per-rank shape is ``input_shape``: the N
+    ranks' inputs stacked on dimension 0 (FSDP2's all-gather extensions; a 0-d input gathers to N
+    elements). Its layout entry then has R = the input's dim 0 and no padding."""
+    dims = tuple(int(d) for d in input_shape) or (1,)
+    return (dims[0] * world_size, *dims[1:])
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """Layout of one FSDP2 parameter group sharded over ``world_size`` ranks.

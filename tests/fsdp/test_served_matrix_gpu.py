@@ -13,6 +13,7 @@ import pytest
 
 from tests.fsdp.recording import assert_exact, merged, run_scenarios
 from tests.fsdp.test_served_matrix import SETUPS
+from tests.fsdp.test_shard_dim import SETUPS as SHARD_DIM_SETUPS
 
 pytestmark = pytest.mark.cuda
 
@@ -26,6 +27,10 @@ ON_GPU = [
     "torch.compile per block after fully_shard, bf16 model",
     "LoRA (peft) on a bf16 Llama",
 ]
+
+
+#: Parameters sharded on dims 1 and 2 beside dim-0 ones: the reorder buffer in the CUDA transport's arena.
+SHARD_DIM_ON_GPU = ["fp32", "bf16 weights, frozen fp32 norms"]
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +49,22 @@ def test_every_group_served_by_the_cuda_transport_with_stocks_results(on_gpu, na
         )
         assert r["served"] == r["groups"] and not r["reasons"], (name, r)
     assert_exact(on_gpu, name)
+
+
+@pytest.fixture(scope="module")
+def shard_dim_on_gpu():
+    from tests.support.dist import run_distributed
+
+    return merged(
+        run_distributed(run_scenarios, 2, args=(SHARD_DIM_SETUPS, SHARD_DIM_ON_GPU, True), backend="cuda", timeout=600)
+    )
+
+
+@pytest.mark.parametrize("name", SHARD_DIM_ON_GPU)
+def test_parameters_sharded_on_other_dims_served_by_the_cuda_transport(shard_dim_on_gpu, name):
+    for mode, r in shard_dim_on_gpu[name].items():
+        print(
+            f"\nShard(dim != 0), {name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss {r['loss']:.3g} "
+            f"grad {r['grad']:.3g} param {r['param']:.3g}"
+        )
+    assert_exact(shard_dim_on_gpu, name, served=5)

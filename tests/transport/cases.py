@@ -51,6 +51,25 @@ def all_grads(
     return out
 
 
+MIXED = (torch.bfloat16, torch.float32, torch.float16)  # a mixed-dtype group's parameters cycle through these
+
+
+def mixed_case(seed: int, shapes, world_size: int) -> tuple[GroupLayout, list[list[torch.Tensor]]]:
+    """A mixed-dtype group as FSDP2's all-gather sees it: each parameter in its own dtype, laid out
+    in bytes (``GroupLayout.bytes_of``); every rank's shards as bytes of random values."""
+    dtypes = [MIXED[p % len(MIXED)] for p in range(len(shapes))]
+    lay = GroupLayout.bytes_of(shapes, [d.itemsize for d in dtypes], world_size)
+    g = torch.Generator().manual_seed(seed)
+    shards = [
+        [
+            torch.randn(lay.shard_numel(p) // dtypes[p].itemsize, generator=g).to(dtypes[p]).view(torch.uint8)
+            for p in range(lay.num_params)
+        ]
+        for _ in range(world_size)
+    ]
+    return lay, shards
+
+
 def expected_unsharded(layout: GroupLayout, shards, p: int) -> torch.Tensor:
     N = layout.world_size
     return torch.cat([shards[r][p] for r in range(N)]).view(N * layout.padded_rows(p), layout.cols[p])

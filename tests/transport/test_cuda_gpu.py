@@ -20,33 +20,16 @@ from tests.transport.cases import (
     expected_unsharded,
     fp64_reduce_scatter,
     layout_for,
+    mixed_case,
     random_shapes,
 )
 from tide_core import PeerStallTimeout
 from tide_core.config import TIDEConfig
-from tide_core.plan import GroupLayout, Topology
+from tide_core.plan import Topology
 from tide_core.runtime.groups import group_device
 from tide_core.transport.faults import DropStagingCredits, ReorderCalls, ReuseStagingEarly, SkipCompletion
 
 pytestmark = pytest.mark.cuda
-
-MIXED = (torch.bfloat16, torch.float32, torch.float16)  # a mixed-dtype group's parameters cycle through these
-
-
-def _mixed_case(seed: int, shapes, world_size: int) -> tuple[GroupLayout, list[list[torch.Tensor]]]:
-    """A mixed-dtype group as FSDP2's all-gather sees it: each parameter in its own dtype, laid out
-    in bytes (``GroupLayout.bytes_of``); every rank's shards as bytes of random values."""
-    dtypes = [MIXED[p % len(MIXED)] for p in range(len(shapes))]
-    lay = GroupLayout.bytes_of(shapes, [d.itemsize for d in dtypes], world_size)
-    g = torch.Generator().manual_seed(seed)
-    shards = [
-        [
-            torch.randn(lay.shard_numel(p) // dtypes[p].itemsize, generator=g).to(dtypes[p]).view(torch.uint8)
-            for p in range(lay.num_params)
-        ]
-        for _ in range(world_size)
-    ]
-    return lay, shards
 
 
 def _suite(rank, world_size, seed):
@@ -71,7 +54,7 @@ def _suite(rank, world_size, seed):
         shapes = random_shapes(rng, world_size, max_params=30) + [(world_size * 4096 + 5, 67)]
         for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.uint8):
             if dtype == torch.uint8:
-                lay, shards = _mixed_case(seed + case, shapes, world_size)
+                lay, shards = mixed_case(seed + case, shapes, world_size)
             else:
                 lay = layout_for(shapes, world_size, dtype.itemsize)
                 shards = all_shards(seed + case, lay, dtype)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from tests.support.dist import run_distributed
 from tests.support.emulated_device import EmulatedDevice, shared_memory_allocator, shut_down
-from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, random_shapes
+from tests.transport.cases import all_grads, all_shards, expected_unsharded, layout_for, mixed_case, random_shapes
 from tide_core import PeerStallTimeout
 from tide_core.plan import Topology
 from tide_core.transport.cuda import CudaOptions, CudaTransport
@@ -347,3 +347,59 @@ def test_repeated_calls_replay_recorded_programs_exactly():
     # one all-gather program; reduce-scatter programs differ only by the first chunk's slot and,
     # for the first calls, by which chunks wait for an earlier use of their slot
     assert programs <= 1 + 2 * 3, programs
+
+
+def _post_forward_landings(rank, world_size, tag, seed, k):
+    """A CudaTransport over each post-forward group of k ranks (its own flags and staging) lands
+    backward's re-gather in landings of the full group's transport arena: the same bytes as the
+    full all-gather, on every rank of the group."""
+    t, dev, alloc = _transport(world_size, tag, timeout_s=20.0)
+    rows = [dist.new_group(list(range(first, first + k))) for first in range(0, world_size, k)]
+    first, m = rank - rank % k, world_size // k
+    post_alloc = shared_memory_allocator(rows[rank // k], f"{tag}pf{first}")
+    post = CudaTransport(
+        Topology(1, k),
+        rows[rank // k],
+        options=t.options,
+        device=torch.device("cpu"),
+        backend=dev,
+        allocator=post_alloc,
+    )
+    post.add_landing_arena(t.arena, range(first, first + k))
+    rng = np.random.default_rng(seed)
+    checked = 0
+    try:
+        for case in range(3):
+            shapes = random_shapes(rng, world_size, max_params=10)
+            cases = [(layout_for(shapes, world_size, d.itemsize), d) for d in (torch.bfloat16, torch.float32)]
+            cases = [(lay, dtype, all_shards(seed + case, lay, dtype)) for lay, dtype in cases]
+            mixed_layout, mixed_shards = mixed_case(seed + case, shapes, world_size)
+            cases.append((mixed_layout, torch.uint8, mixed_shards))
+            for lay, dtype, shards in cases:
+                outs = t.landing_buffers(lay, slot=checked, dtype=dtype)
+                expected = [expected_unsharded(lay, shards, p) for p in range(lay.num_params)]
+                # Post-forward rank j holds the full layout's shards j*m .. j*m+m-1 (GroupLayout.post_forward).
+                j = rank - first
+                post_shards = [torch.cat([shards[j * m + i][p] for i in range(m)]) for p in range(lay.num_params)]
+                for transport, layout, own in ((t, lay, shards[rank]), (post, lay.post_forward(k), post_shards)):
+                    for o in outs:
+                        o.view(torch.uint8).fill_(255)  # NaN in every float dtype
+                    transport.all_gather(layout, own, outs).wait()
+                    transport.synchronize()
+                    for p in range(lay.num_params):
+                        assert torch.equal(outs[p].view(torch.uint8), expected[p].view(torch.uint8)), (case, dtype, p)
+                checked += 1
+        assert not dev.errors, dev.errors
+        return checked
+    finally:
+        post.close()
+        t.close()
+        dist.barrier()
+        dev.close()
+        post_alloc.cleanup()
+        alloc.cleanup()
+
+
+def test_post_forward_group_lands_in_the_full_groups_arena():
+    results = run_distributed(_post_forward_landings, 4, args=(uuid.uuid4().hex[:8], 41, 2), timeout=240)
+    assert results == [9] * 4

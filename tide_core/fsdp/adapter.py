@@ -336,15 +336,10 @@ def _post_forward_topology(param_group, topo: Topology, config: TIDEConfig) -> t
     """The topology of the group's post-forward process group (``reshard_after_forward=k``), else
     why it cannot be served. FSDP2 cuts the shard mesh into rows of k ranks, so the post-forward
     group is k consecutive ranks of the shard group: part of one node where k divides the node's
-    L ranks, whole nodes where L divides k."""
+    L ranks, whole nodes where L divides k (the reference transport only: the CUDA transport lands
+    the post-forward all-gather in the shard group's arena, which node-local groups can)."""
     group = accessors.post_forward_process_group(param_group)
     k, L = group.size(), topo.gpus_per_node
-    if accessors.param_group_device(param_group).type == "cuda" and config.transport != "reference":
-        return None, (
-            f"reshard_after_forward={k}: the CUDA transport pushes only into landings in its own "
-            "symmetric arena, and a transport over the post-forward group has an arena of its own "
-            "(transport='reference' serves it)"
-        )
     if any(dim for dim in accessors.shard_dims(accessors.fsdp_params(param_group))):
         return None, f"reshard_after_forward={k} with parameters sharded on a dim other than 0"
     shard_ranks = dist.get_process_group_ranks(accessors.shard_process_group(param_group))
@@ -355,6 +350,13 @@ def _post_forward_topology(param_group, topo: Topology, config: TIDEConfig) -> t
     if L % k == 0:
         return Topology.from_world_size(k, k), None
     if k % L == 0:
+        if accessors.param_group_device(param_group).type == "cuda" and config.transport != "reference":
+            return None, (
+                f"reshard_after_forward={k} spans nodes of {L} ranks: the CUDA transport lands a "
+                "post-forward group's all-gather in the shard group's arena only where the group is "
+                "node-local (k dividing the node's ranks); over whole nodes its rail exchanges through "
+                "an arena of its own (transport='reference' serves it)"
+            )
         return Topology.from_world_size(k, L), None
     return None, f"reshard_after_forward={k} splits nodes of {L} ranks (node-local or whole nodes are served)"
 
@@ -476,6 +478,13 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
                         validate_calls=config.validate_calls,
                         single_host=single_host,
                     )
+            if len(keys) > 1:
+                # The post-forward all-gather lands in the landings the shard group's transport
+                # allocated: its rank j is shard-group rank keys[0][0].index(global rank).
+                shard_ranks, post_forward_ranks = keys[0][0], keys[1][0]
+                transports[keys[1]].add_landing_arena(
+                    transports[keys[0]].arena, [shard_ranks.index(r) for r in post_forward_ranks]
+                )
         except TIDEError as exc:
             if config.transport == "cuda":  # asked for by name: not met is an error, not a fallback
                 for served in entries:  # leave the model as install found it

@@ -151,6 +151,11 @@ class Transport(abc.ABC):
             for p in range(layout.num_params)
         ]
 
+    def add_landing_arena(self, arena: Arena, ranks: Sequence[int]) -> None:  # noqa: B027 (optional hook)
+        """Let ``all_gather`` land into ``arena``, another transport's arena over a group in which
+        this transport's rank j is rank ``ranks[j]`` (a post-forward group's transport landing where
+        its shard group's transport does). The reference transport writes landings wherever they are."""
+
     @property
     def staging_bytes(self) -> int:
         """Transport-owned staging memory (reduce-scatter chunks, flags)."""

@@ -11,6 +11,8 @@ by the generation. All ranks grow at the same call, so segment names stay symmet
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tide_core.plan import Topology, chunk_pieces
 from tide_core.plan.buffers import (
     FLAG_LINE,
@@ -74,6 +76,7 @@ class SymmetricMap:
         self.blocks_generation = 0
         self.ag_stage: Segment | None = None
         self._ag_stage_generation = 0
+        self.landing_arenas: list[tuple[Arena, tuple[int, ...]]] = []  # add_landing_arena
 
     # -- flags ---------------------------------------------------------------------------------
     # Node-local flags: word (kind, sender's local rank) in each GPU's flags segment.
@@ -107,15 +110,27 @@ class SymmetricMap:
         return rs_rail_slot(kind, self.topology.nodes)
 
     # -- landings --------------------------------------------------------------------------------
+    def add_landing_arena(self, arena: Arena, ranks: Sequence[int]) -> None:
+        """Landings may also live in ``arena``, symmetric over another group in which this group's
+        rank j is rank ``ranks[j]`` (its segments' peer pointers are indexed by that group's ranks)."""
+        ranks = tuple(ranks)
+        if not any(known is arena and known_ranks == ranks for known, known_ranks in self.landing_arenas):
+            self.landing_arenas.append((arena, ranks))
+
     def peer_addresses(self, ptr: int, nbytes: int, name: str) -> list[int]:
-        """Addresses on every rank of the arena bytes at ``ptr`` (``name`` is reported if outside)."""
-        try:
-            seg, offset = self.arena.find(ptr, nbytes)
-        except ValueError:
-            raise ValueError(
-                f"{name} is not inside the transport's arena; allocate it with landing_buffers()"
-            ) from None
-        return [None if p is None else p + offset for p in seg.peer_ptrs]  # None: another host
+        """Addresses on every rank of this group (in its rank order) of the bytes at ``ptr``, in
+        this transport's arena or a landing arena (``name`` is reported if in neither)."""
+        own_ranks = tuple(range(self.topology.world_size))
+        for arena, ranks in [(self.arena, own_ranks), *self.landing_arenas]:
+            try:
+                seg, offset = arena.find(ptr, nbytes)
+            except ValueError:
+                continue
+            peers = [None] * len(ranks) if seg.peer_ptrs is None else [seg.peer_ptrs[r] for r in ranks]
+            if arena is not self.arena and None in peers:  # own arena: None is a rank on another host
+                raise ValueError(f"{name} lies in a landing arena that ranks {list(ranks)} do not all map here")
+            return [None if p is None else p + offset for p in peers]
+        raise ValueError(f"{name} is not inside the transport's arena; allocate it with landing_buffers()")
 
     # -- reduce-scatter staging ------------------------------------------------------------------
     def ensure_staging(self, needed_slot_bytes: int) -> None:

@@ -257,6 +257,21 @@ class CudaTransport(Transport):
         """Host-wait for every call issued so far; PeerStallTimeout if a peer does not signal in time."""
         self.watchdog.wait_all(timeout_s)
 
+    def add_landing_arena(self, arena: Arena, ranks: Sequence[int]) -> None:
+        """Let ``all_gather`` push into landings in ``arena``, the symmetric arena of a transport over
+        a group in which this transport's rank j is rank ``ranks[j]``. Flags, staging and programs
+        stay this transport's own. Node-local groups only: a multi-node group's rail stages and
+        scatters through its own arena."""
+        ranks = tuple(ranks)
+        if self.topology.nodes > 1:
+            raise TransportError(
+                f"landings in another transport's arena: this group spans {self.topology.nodes} nodes "
+                "(its rail exchanges through its own arena); node-local groups only"
+            )
+        if len(ranks) != self.topology.world_size or len(set(ranks)) != len(ranks):
+            raise ValueError(f"ranks={list(ranks)} must name {self.topology.world_size} distinct ranks, one per rank")
+        self.memory.add_landing_arena(arena, ranks)
+
     @property
     def staging_bytes(self) -> int:
         """Reduce-scatter buffers: the Level-1 staging and, for multi-node groups, the partial blocks."""

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.fsdp.models import RMSNorm, TinyLM, loss_fn
-from tests.fsdp.recording import Recorder, adam, lm_tokens, merged, run_scenarios
+from tests.fsdp.recording import Recorder, adam, lm_tokens, merged, run_scenarios, scenario_device
 from tests.support.dist import run_distributed
 
 POST_FORWARD = 2  # ranks each block reshards to after forward
@@ -38,8 +38,11 @@ def _lm(*, root_reshard, mixed: bool = False, mp: bool = False, hsdp: bool = Fal
     kw = {}
     if mp:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    model.to(scenario_device())
     if hsdp:
-        kw["mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        kw["mesh"] = init_device_mesh(
+            scenario_device().type, (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard")
+        )
     for block in model.blocks:
         fully_shard(block, reshard_after_forward=POST_FORWARD, **kw)
     fully_shard(model, reshard_after_forward=root_reshard, **kw)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from tests.fsdp.recording import assert_exact, merged, run_scenarios
+from tests.fsdp.test_reshard_after_forward_int import SCENARIOS as RESHARD_INT_SCENARIOS
 from tests.fsdp.test_served_matrix import SETUPS
 from tests.fsdp.test_shard_dim import SETUPS as SHARD_DIM_SETUPS
 
@@ -31,6 +32,9 @@ ON_GPU = [
 
 #: Parameters sharded on dims 1 and 2 beside dim-0 ones: the reorder buffer in the CUDA transport's arena.
 SHARD_DIM_ON_GPU = ["fp32", "bf16 weights, frozen fp32 norms"]
+#: Blocks resharding to 2 of 4 ranks after forward: backward's re-gather by the post-forward group's
+#: CUDA transport into landings in the shard group's arena.
+RESHARD_INT_ON_GPU = ["bf16 mixed precision", "bf16 weights, frozen fp32 norms"]
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +72,28 @@ def test_parameters_sharded_on_other_dims_served_by_the_cuda_transport(shard_dim
             f"grad {r['grad']:.3g} param {r['param']:.3g}"
         )
     assert_exact(shard_dim_on_gpu, name, served=5)
+
+
+@pytest.fixture(scope="module")
+def reshard_int_on_gpu():
+    from tests.support.dist import run_distributed
+
+    return merged(
+        run_distributed(
+            run_scenarios, 4, args=(RESHARD_INT_SCENARIOS, RESHARD_INT_ON_GPU, True), backend="cuda", timeout=600
+        )
+    )
+
+
+@pytest.mark.parametrize("name", RESHARD_INT_ON_GPU)
+def test_reshard_after_forward_int_served_by_the_cuda_transport(reshard_int_on_gpu, name):
+    for mode, r in reshard_int_on_gpu[name].items():
+        print(
+            f"\nreshard_after_forward=2 of 4, {name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss "
+            f"{r['loss']:.3g} grad {r['grad']:.3g} param {r['param']:.3g}"
+        )
+        assert r["served"] == r["groups"] == 5 and r["dtypes_match"], (name, mode, r)
+    if name == "bf16 mixed precision":  # four bf16 gradients sum exactly in fp32, as on CPU
+        assert_exact(reshard_int_on_gpu, name, served=5)
+    else:  # a bf16 reduce over 4 ranks: TIDE rounds once, stock per step (the CPU test's tolerance)
+        assert all(max(r["loss"], r["grad"], r["param"]) <= 5e-2 for r in reshard_int_on_gpu[name].values())

@@ -512,7 +512,7 @@ def _install(model: nn.Module, config: TIDEConfig) -> TIDEHandle:
         )
         if ring_ok:
             ring_members.setdefault(key, []).append(group)
-        if group.reorder is not None:
+        if group.layout.reorder_bytes:
             reorder_members.setdefault(key, []).append(group)
         mark_served(param_group, group, copy_out_hook=internals is not None and internals.profile.copy_out_hook)
         entry.served = group

@@ -151,12 +151,9 @@ class ServedGroup:
         self.post_forward_layout = None
         if post_forward_transport is not None:
             self.post_forward_layout = self.layout.post_forward(post_forward_transport.topology.world_size)
-        # install shares one reorder buffer among the groups of a transport
-        self.reorder = (
-            ReorderBuffer(transport, self.layout.reorder_bytes, f"group{index}-reorder")
-            if self.layout.reorder_bytes
-            else None
-        )
+        # Where parameters sharded on a dim other than 0 land first: install gives every group with
+        # such parameters the one buffer its transport's groups share.
+        self.reorder: ReorderBuffer | None = None
         self.reorder_outputs: dict[int, torch.Tensor] = {}  # p -> its rank-major all-gather output
         self.landings: list[torch.Tensor] | None = None
         self.segment: Segment | None = None

@@ -37,61 +37,54 @@ SHARD_DIM_ON_GPU = ["fp32", "bf16 weights, frozen fp32 norms"]
 RESHARD_INT_ON_GPU = ["bf16 mixed precision", "bf16 weights, frozen fp32 norms"]
 
 
-@pytest.fixture(scope="module")
-def on_gpu():
+def _run_on_gpu(scenarios: dict, names: list[str], ranks: int, timeout: float) -> dict:
+    """The named scenarios on ``ranks`` ranks of the GPU(s), stock then TIDE in both modes."""
     from tests.support.dist import run_distributed
 
-    return merged(run_distributed(run_scenarios, 2, args=(SETUPS, ON_GPU, True), backend="cuda", timeout=900))
+    return merged(run_distributed(run_scenarios, ranks, args=(scenarios, names, True), backend="cuda", timeout=timeout))
+
+
+def _print_rows(label: str, result: dict) -> None:
+    for mode, r in result.items():
+        print(
+            f"\n{label} [{mode}]: {r['served']}/{r['groups']} served, max diff loss {r['loss']:.3g} "
+            f"grad {r['grad']:.3g} param {r['param']:.3g}"
+        )
+
+
+@pytest.fixture(scope="module")
+def on_gpu():
+    return _run_on_gpu(SETUPS, ON_GPU, 2, timeout=900)
 
 
 @pytest.mark.parametrize("name", ON_GPU)
 def test_every_group_served_by_the_cuda_transport_with_stocks_results(on_gpu, name):
-    for mode, r in on_gpu[name].items():
-        print(
-            f"\n{name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss {r['loss']:.3g} "
-            f"grad {r['grad']:.3g} param {r['param']:.3g}"
-        )
+    _print_rows(name, on_gpu[name])
+    for r in on_gpu[name].values():
         assert r["served"] == r["groups"] and not r["reasons"], (name, r)
     assert_exact(on_gpu, name)
 
 
 @pytest.fixture(scope="module")
 def shard_dim_on_gpu():
-    from tests.support.dist import run_distributed
-
-    return merged(
-        run_distributed(run_scenarios, 2, args=(SHARD_DIM_SETUPS, SHARD_DIM_ON_GPU, True), backend="cuda", timeout=600)
-    )
+    return _run_on_gpu(SHARD_DIM_SETUPS, SHARD_DIM_ON_GPU, 2, timeout=600)
 
 
 @pytest.mark.parametrize("name", SHARD_DIM_ON_GPU)
 def test_parameters_sharded_on_other_dims_served_by_the_cuda_transport(shard_dim_on_gpu, name):
-    for mode, r in shard_dim_on_gpu[name].items():
-        print(
-            f"\nShard(dim != 0), {name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss {r['loss']:.3g} "
-            f"grad {r['grad']:.3g} param {r['param']:.3g}"
-        )
+    _print_rows(f"Shard(dim != 0), {name}", shard_dim_on_gpu[name])
     assert_exact(shard_dim_on_gpu, name, served=5)
 
 
 @pytest.fixture(scope="module")
 def reshard_int_on_gpu():
-    from tests.support.dist import run_distributed
-
-    return merged(
-        run_distributed(
-            run_scenarios, 4, args=(RESHARD_INT_SCENARIOS, RESHARD_INT_ON_GPU, True), backend="cuda", timeout=600
-        )
-    )
+    return _run_on_gpu(RESHARD_INT_SCENARIOS, RESHARD_INT_ON_GPU, 4, timeout=600)
 
 
 @pytest.mark.parametrize("name", RESHARD_INT_ON_GPU)
 def test_reshard_after_forward_int_served_by_the_cuda_transport(reshard_int_on_gpu, name):
+    _print_rows(f"reshard_after_forward=2 of 4, {name}", reshard_int_on_gpu[name])
     for mode, r in reshard_int_on_gpu[name].items():
-        print(
-            f"\nreshard_after_forward=2 of 4, {name} [{mode}]: {r['served']}/{r['groups']} served, max diff loss "
-            f"{r['loss']:.3g} grad {r['grad']:.3g} param {r['param']:.3g}"
-        )
         assert r["served"] == r["groups"] == 5 and r["dtypes_match"], (name, mode, r)
     if name == "bf16 mixed precision":  # four bf16 gradients sum exactly in fp32, as on CPU
         assert_exact(reshard_int_on_gpu, name, served=5)

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from tests.fsdp.models import RMSNorm, TinyLM, loss_fn
 from tests.support.dist import run_distributed
+from tide_core.runtime.arena import align_up
 
 STEPS = 5
 
@@ -443,12 +444,17 @@ def _one_transport_per_rank_set(rank, world_size):
     handle = tide_core.install(model, transport="reference")
     losses, stock_losses = train(model, rank), train(stock, rank)
     rings = list(handle.rings.values())
-    return len(handle.transports), len(rings), len(rings[0].members), len(handle.served_groups), losses == stock_losses
+    counts = (len(handle.transports), len(rings), len(rings[0].members), len(handle.served_groups))
+    return counts, losses == stock_losses, handle.memory(), rings[0].slot_bytes, handle.report()
 
 
 def test_groups_over_distinct_process_groups_of_the_same_ranks_share_one_transport():
-    transports, rings, ring_members, served, same_losses = run_distributed(_one_transport_per_rank_set, 2, timeout=120)[
-        0
-    ]
-    assert (transports, rings, ring_members, served) == (1, 1, 4, 5)
+    counts, same_losses, memory, slot_bytes, report = run_distributed(_one_transport_per_rank_set, 2, timeout=120)[0]
+    assert counts == (1, 1, 4, 5)
     assert same_losses
+    # The arena by kind of segment: two ring slots for the four blocks, one dedicated landing (the root).
+    assert memory["transports"] == 1
+    assert memory["arena_by_kind"]["ring"] == (2, 2 * align_up(slot_bytes))
+    assert memory["arena_by_kind"]["group"][0] == 1
+    assert sum(nbytes for _, nbytes in memory["arena_by_kind"].values()) == memory["arena_reserved"]
+    assert "in 1 transport(s) (" in report and "ring " in report, report

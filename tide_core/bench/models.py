@@ -29,8 +29,8 @@ def llama3_8b(layers: int = 8) -> ModelConfig:
 
 
 def llama32_1b(layers: int = 16) -> ModelConfig:
-    """Llama-3.2-1B geometry (hidden 2048, 32 heads of 64, 8 KV heads, FFN 8192): 1.24B parameters
-    at 16 layers with an untied head."""
+    """Llama-3.2-1B geometry (hidden 2048, 32 heads of 64, 8 KV heads, FFN 8192) with an untied head:
+    1.50B parameters at 16 layers (Llama 3.2 1B ties it: 1.24B)."""
     return ModelConfig("llama3.2-1b", 2048, layers, 32, 8, 64, 8192, 128256)
 
 

@@ -62,6 +62,41 @@ def memory_row(tokens, system: str, point: dict, stock: dict | None) -> list:
     ]
 
 
+def arena_table(memory: dict) -> list[str]:
+    """Markdown lines: TIDE's arena on rank 0 by kind of segment (ring slots, dedicated landings,
+    staging, flags, ...) for each TIDE system, from the last tokens point; nothing for runs that
+    did not record it."""
+    arenas = {}
+    for s, m in memory.items():
+        points = [p["tide_memory"] for p in (m or {}).values() if "tide_memory" in p]
+        if points:
+            arenas[s] = points[-1]
+    if not arenas:
+        return []
+    kinds = sorted({k for a in arenas.values() for k in a["arena_by_kind"]}, key=lambda k: k)
+    rows = [
+        [
+            s,
+            a["transports"],
+            *(
+                f"{a['arena_by_kind'][k][1] / 2**20:.1f} ({a['arena_by_kind'][k][0]})"
+                if k in a["arena_by_kind"]
+                else "-"
+                for k in kinds
+            ),
+            f"{a['arena_reserved'] / 2**20:.1f}",
+        ]
+        for s, a in arenas.items()
+    ]
+    return [
+        "",
+        "TIDE's arena on rank 0 by kind of segment, MiB (segments): ring = the two ring slots, group = "
+        "dedicated landings, staging = the reduce-scatter chunk ring, flags = signal words:",
+        "",
+        markdown_table(["system", "transports", *kinds, "total"], rows),
+    ]
+
+
 def peak_tables(memory: dict) -> list[str]:
     """Markdown lines: for each tokens point, what is live at each system's peak allocated, from
     ``--memory-detail`` (rank 0); nothing when no system has it."""
@@ -150,6 +185,7 @@ def write_train_report(args) -> Path:
             "model's live bytes of the largest group's collective state in backward (tide_core.plan.memory."
             "backward_live_bytes: stock 4NS; TIDE two ring slots, receive stage, staging as allocated, "
             "In-Place the previous layer's bf16 gradients), beside the measured difference from stock.",
+            *arena_table(memory),
             *peak_tables(memory),
         ]
         return write_result(args.out, f"memory-{model}", f"Training step memory: {model}", "\n".join(body))
@@ -207,6 +243,7 @@ def write_train_report(args) -> Path:
         "",
         "Profile columns come from one traced step at the first tokens/GPU point; memory from a separate launch per "
         "system (peak over two steps after a warm-up step).",
+        *arena_table(memory),
         *peak_tables(memory),
     ]
     if losses:

@@ -178,6 +178,8 @@ def memory_pass(rank: int, world_size: int, args) -> dict:
             "per_rank": peaks,  # (allocated, reserved) of every rank
             "model": predicted_collective_bytes(model, system, world_size, handle),
         }
+        if handle is not None:  # TIDE's arena by kind of segment: what its resident bytes are
+            out[tokens]["tide_memory"] = handle.memory()
         if detail:
             snapshot = memory_detail.stop_events()
             if rank == 0:  # only rank 0's result is written

@@ -127,7 +127,17 @@ class TIDEHandle:
         """Bytes per component on this GPU: TIDE's arena and staging against the memory model."""
         arena = sum(t.arena.reserved_bytes for t in self.transports.values())
         staging = sum(t.staging_bytes for t in self.transports.values())
-        out = {"arena_reserved": arena, "transport_staging": staging}
+        by_kind: dict[str, tuple[int, int]] = {}
+        for t in self.transports.values():
+            for kind, (count, nbytes) in t.arena.bytes_by_kind().items():
+                have = by_kind.get(kind, (0, 0))
+                by_kind[kind] = (have[0] + count, have[1] + nbytes)
+        out = {
+            "arena_reserved": arena,
+            "transport_staging": staging,
+            "transports": len(self.transports),
+            "arena_by_kind": by_kind,
+        }
         served = self.served_groups
         if served:
             largest = max(served, key=lambda g: g.layout.total_shard_bytes)
@@ -187,8 +197,13 @@ class TIDEHandle:
             )
         mem = self.memory()
         lines.append(
-            f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])}, "
-            f"transport staging {fmt_bytes(mem['transport_staging'])}"
+            f"  memory: arena reserved {fmt_bytes(mem['arena_reserved'])} in {mem['transports']} transport(s) "
+            "("
+            + ", ".join(
+                f"{kind} {fmt_bytes(nbytes)}" + (f" in {count}" if count > 1 else "")
+                for kind, (count, nbytes) in sorted(mem["arena_by_kind"].items(), key=lambda kv: -kv[1][1])
+            )
+            + f"), transport staging {fmt_bytes(mem['transport_staging'])}"
         )
         if "largest_group" in mem:
             for key in ("model_stock", f"model_{self.config.mode}"):

@@ -95,6 +95,16 @@ class Arena:
     def reserved_bytes(self) -> int:
         return sum(s.nbytes for s in self.segments.values())
 
+    def bytes_by_kind(self) -> dict[str, tuple[int, int]]:
+        """(segments, bytes) per kind of segment: the name without its trailing number, so ring0 and
+        ring1 are "ring", every dedicated landing "group" and each staging generation "staging"."""
+        kinds: dict[str, tuple[int, int]] = {}
+        for seg in self.segments.values():
+            kind = seg.name.rstrip("0123456789") or seg.name
+            count, nbytes = kinds.get(kind, (0, 0))
+            kinds[kind] = (count + 1, nbytes + seg.nbytes)
+        return kinds
+
 
 def plain_allocator(device: torch.device) -> Allocator:
     def allocate(name: str, nbytes: int):

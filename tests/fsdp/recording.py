@@ -192,8 +192,9 @@ def tiny_lm(*, tie: bool = False, reshard=True, mp=None, checkpoint_blocks: bool
 
 
 def lm_tokens(rank: int, n: int):
+    """``n`` batches of token ids on ``scenario_device()`` (drawn on the CPU: the same on any device)."""
     gen = torch.Generator().manual_seed(123 + rank)
-    return [torch.randint(0, 37, (2, 9), generator=gen) for _ in range(n)]
+    return [torch.randint(0, 37, (2, 9), generator=gen).to(scenario_device()) for _ in range(n)]
 
 
 def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None, after_steps=None):
@@ -201,7 +202,7 @@ def lm_steps(model, rec, rank, *, steps: int = 3, clip: float | None = None, aft
     before ``rec.finish()`` uninstalls TIDE."""
     opt = adam(model)
     for step, tokens in enumerate(lm_tokens(rank, steps)):
-        loss = loss_fn(model, tokens.to(scenario_device()))
+        loss = loss_fn(model, tokens)
         rec.backward(loss)
         if clip is not None:
             rec.loss(torch.nn.utils.clip_grad_norm_(model.parameters(), clip).full_tensor())

@@ -184,7 +184,7 @@ def run_distributed(
 
 
 def full_tensor(t):
-    """``t.full_tensor()`` of an FSDP2 (Shard(0)) DTensor, on the CPU. Over gloo with CUDA tensors
+    """``t.full_tensor()`` of an FSDP2 (Shard(dim)) DTensor, on the CPU. Over gloo with CUDA tensors
     (ranks sharing a GPU) the shards are gathered through the CPU: DTensor's functional all-gather
     of CUDA tensors over gloo crashes the process (torch 2.11, seen on one H100)."""
     import torch
@@ -195,9 +195,9 @@ def full_tensor(t):
     if not (t.device.type == "cuda" and dist.get_backend(t.device_mesh.get_group()) == "gloo"):
         return t.full_tensor().detach().cpu()
     (placement,) = t.placements
-    if not (placement.is_shard() and placement.dim == 0):
-        raise ValueError(f"full_tensor: only Shard(0) DTensors are gathered through the CPU, not {placement}")
+    if not placement.is_shard():
+        raise ValueError(f"full_tensor: only Shard(dim) DTensors are gathered through the CPU, not {placement}")
     group = t.device_mesh.get_group()
     pieces: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, t.to_local().detach().cpu(), group=group)
-    return torch.cat(pieces, dim=0)
+    return torch.cat(pieces, dim=placement.dim)

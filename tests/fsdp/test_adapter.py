@@ -442,14 +442,17 @@ def _one_transport_per_rank_set(rank, world_size):
     fully_shard(model)
     stock = build()
     handle = tide_core.install(model, transport="reference")
+    install_report = handle.report()
     losses, stock_losses = train(model, rank), train(stock, rank)
     rings = list(handle.rings.values())
     counts = (len(handle.transports), len(rings), len(rings[0].members), len(handle.served_groups))
-    return counts, losses == stock_losses, handle.memory(), rings[0].slot_bytes, handle.report()
+    return counts, losses == stock_losses, handle.memory(), rings[0].slot_bytes, install_report, handle.report()
 
 
 def test_groups_over_distinct_process_groups_of_the_same_ranks_share_one_transport():
-    counts, same_losses, memory, slot_bytes, report = run_distributed(_one_transport_per_rank_set, 2, timeout=120)[0]
+    counts, same_losses, memory, slot_bytes, install_report, report = run_distributed(
+        _one_transport_per_rank_set, 2, timeout=120
+    )[0]
     assert counts == (1, 1, 4, 5)
     assert same_losses
     # The arena by kind of segment: two ring slots for the four blocks, one dedicated landing (the root).
@@ -458,3 +461,8 @@ def test_groups_over_distinct_process_groups_of_the_same_ranks_share_one_transpo
     assert memory["arena_by_kind"]["group"][0] == 1
     assert sum(nbytes for _, nbytes in memory["arena_by_kind"].values()) == memory["arena_reserved"]
     assert "in 1 transport(s) (" in report and "ring " in report, report
+    # At install nothing has gathered: the report says where the ring and landings will come from.
+    assert "5 group(s) not yet gathered: their ring slots or landings come at the first all-gather" in install_report
+    install_kinds = install_report.split("transport(s) (")[1].split(")")[0]
+    assert "ring" not in install_kinds and "group" not in install_kinds, install_report
+    assert "not yet gathered" not in report, report

@@ -205,6 +205,12 @@ class TIDEHandle:
             )
             + f"), transport staging {fmt_bytes(mem['transport_staging'])}"
         )
+        unbound = sum(1 for g in served if g.landings is None)
+        if unbound:
+            # At install no group has gathered yet: the arena holds only the signal words so far.
+            lines[-1] += (
+                f"; {unbound} group(s) not yet gathered: their ring slots or landings come at the first all-gather"
+            )
         if "largest_group" in mem:
             for key in ("model_stock", f"model_{self.config.mode}"):
                 parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in mem[key].items())
